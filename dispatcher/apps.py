@@ -1,0 +1,19 @@
+from django.apps import AppConfig
+from django.db.models.signals import post_migrate
+
+
+class DispatcherConfig(AppConfig):
+    name = "dispatcher"
+    verbose_name = "Dispatcher"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.utils.module_loading import autodiscover_modules
+
+        from dispatcher import checks  # noqa: F401 - registers system checks
+        from dispatcher.beat import connect_beat_signals, on_post_migrate
+
+        # Import every installed app's ``handlers`` module, as the admin does with ``admin``.
+        autodiscover_modules("handlers")
+        post_migrate.connect(on_post_migrate, sender=self)
+        connect_beat_signals()

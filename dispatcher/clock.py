@@ -1,0 +1,19 @@
+"""The one clock the limiter trusts: the database's."""
+from __future__ import annotations
+
+from datetime import datetime
+
+from django.db import connection
+from django.utils import timezone
+
+
+def db_now() -> datetime:
+    """Return the database's current time, read now (not at transaction start)."""
+    if connection.vendor == "postgresql":
+        # clock_timestamp(), not now(): now() is frozen at transaction start, which would
+        # predate any lock wait and let two dispensers judge one window at different times.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT clock_timestamp()")
+            return cursor.fetchone()[0]
+    # SQLite is a file on this machine, so its clock is this machine's clock.
+    return timezone.now()

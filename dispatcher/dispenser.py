@@ -1,0 +1,198 @@
+"""The dispenser: claims due calls under the rate policies and publishes them to Celery."""
+from __future__ import annotations
+
+import logging
+import select
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db import close_old_connections, connection
+
+from dispatcher import limiter
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
+from dispatcher.faults import maybe_fail
+from dispatcher.queries import Claimed
+
+log = logging.getLogger("dispatcher")
+
+WAKE_CHANNEL = "dispatcher_wake"
+
+
+@dataclass
+class PassReport:
+    """What one dispense pass did, and when the next one is worth running."""
+
+    moved: int = 0
+    published: int = 0
+    put_back: int = 0
+    key_sets: int = 0
+    next_at: datetime | None = None
+    full: bool = False
+
+
+class Dispenser:
+    """Runs dispense passes; keeps a round-robin cursor so that every key set gets its turn."""
+
+    def __init__(self, batch: int | None = None) -> None:
+        self.batch = batch or dispatcher_settings.DISPENSE_BATCH
+        self.cursor: str | None = None
+
+    def run_once(self) -> PassReport:
+        """Claim and publish one batch; return what moved."""
+        from dispatcher.models import CallQueue
+
+        report = PassReport()
+        policies = limiter.Policies.load()
+        key_sets = CallQueue.objects.waiting_key_sets()
+        if self.cursor is not None:
+            # Start after the key set this dispenser served last: round-robin across passes.
+            split = next((i for i, k in enumerate(key_sets) if k > self.cursor), 0)
+            key_sets = key_sets[split:] + key_sets[:split]
+        report.key_sets = len(key_sets)
+        budget = self.batch
+        active = list(key_sets)
+        waits: list[datetime] = []
+        # Share the batch across key sets in rounds, so one key's backlog cannot crowd out
+        # another key that has room.
+        while active and budget > 0:
+            share = max(1, budget // len(active))
+            still_active = []
+            for text in active:
+                wanted = min(share, budget)
+                if wanted <= 0:
+                    break
+                result = CallQueue.objects.claim(text, wanted, policies)
+                moved = len(result.calls)
+                if moved:
+                    maybe_fail("after_claim")
+                    report.moved += moved
+                    budget -= moved
+                    self._publish(result.calls, report)
+                    self.cursor = text
+                if moved == wanted:
+                    still_active.append(text)
+                elif result.verdict.blocked and result.verdict.until is not None:
+                    waits.append(result.verdict.until)
+            active = still_active
+        report.full = budget <= 0
+        now = db_now()
+        upcoming = CallQueue.objects.next_due_at(now)
+        if upcoming is not None:
+            waits.append(upcoming)
+        report.next_at = min(waits) if waits else None
+        if report.moved or report.put_back:
+            log.info(
+                "dispense moved=%s published=%s put_back=%s key_sets=%s",
+                report.moved, report.published, report.put_back, report.key_sets,
+            )
+        return report
+
+    def _publish(self, calls: list[Claimed], report: PassReport) -> None:
+        """Publish claimed calls; put back at once whatever the broker did not take."""
+        from dispatcher.models import CallQueue
+        from dispatcher.tasks import run_call
+
+        published = 0
+        try:
+            # One producer (and broker connection) held for the whole batch.
+            with run_call.app.producer_or_acquire() as producer:
+                for call in calls:
+                    run_call.apply_async(
+                        (call.id, call.dispatch_no), queue=call.queue or None, producer=producer, retry=False
+                    )
+                    published += 1
+        except Exception as exc:  # the broker is down or refused: fail closed
+            log.error("publish_failed error=%r published=%s put_back=%s", exc, published, len(calls) - published)
+        report.published += published
+        if published < len(calls):
+            report.put_back += CallQueue.objects.put_back(calls[published:])
+
+    def loop(self, stop: threading.Event, max_passes: int | None = None) -> int:
+        """Run passes until ``stop`` is set; sleep until the next slot or a wake-up."""
+        waiter = Waiter()
+        passes = 0
+        try:
+            while not stop.is_set() and (max_passes is None or passes < max_passes):
+                passes += 1
+                try:
+                    report = self.run_once()
+                except Exception:
+                    log.exception("dispense_pass_failed; retrying after a pause")
+                    close_old_connections()
+                    connection.close()
+                    waiter.reset()
+                    stop.wait(min(1.0, dispatcher_settings.POLL_INTERVAL.total_seconds()))
+                    continue
+                if report.full:
+                    continue
+                timeout = dispatcher_settings.POLL_INTERVAL.total_seconds()
+                if report.next_at is not None:
+                    try:
+                        timeout = min(timeout, max(0.0, (report.next_at - db_now()).total_seconds()))
+                    except Exception:
+                        pass
+                waiter.wait(timeout, stop)
+        finally:
+            waiter.close()
+        return passes
+
+
+class Waiter:
+    """Sleeps until a timeout, a stop, or (on PostgreSQL) a NOTIFY from send() or a worker."""
+
+    def __init__(self) -> None:
+        self.conn = None
+
+    def _listen(self):
+        if connection.vendor != "postgresql":
+            return None
+        if self.conn is None:
+            import psycopg
+
+            params = connection.get_connection_params()
+            params.pop("cursor_factory", None)
+            params.pop("context", None)
+            self.conn = psycopg.connect(**params, autocommit=True)
+            self.conn.execute(f"LISTEN {WAKE_CHANNEL}")
+        return self.conn
+
+    def wait(self, timeout: float, stop: threading.Event) -> None:
+        try:
+            conn = self._listen()
+        except Exception as exc:
+            log.warning("listen_failed error=%r; polling instead", exc)
+            self.reset()
+            conn = None
+        if conn is None or timeout <= 0:
+            stop.wait(max(0.0, timeout) if conn is None else 0)
+            return
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                # Wake at least every 0.5 s to notice a stop request.
+                ready, _, _ = select.select([conn.fileno()], [], [], min(left, 0.5))
+                if ready:
+                    got = list(conn.notifies(timeout=0, stop_after=1000))
+                    if got:
+                        return
+            except Exception as exc:
+                log.warning("listen_lost error=%r", exc)
+                self.reset()
+                return
+
+    def reset(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except Exception:
+                pass
+        self.conn = None
+
+    def close(self) -> None:
+        self.reset()

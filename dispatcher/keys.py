@@ -1,0 +1,88 @@
+"""Rate-limit keys: formatting templates from params, validation, the canonical key set."""
+from __future__ import annotations
+
+import json
+import string
+from typing import Any, Iterable, Mapping
+
+from dispatcher.exceptions import InvalidKey
+
+MAX_KEY_LENGTH = 200
+MAX_KEYS = 8
+
+_formatter = string.Formatter()
+
+
+def format_key(template: str, params: Mapping[str, Any]) -> str:
+    """Fill a key template such as ``mailgun:{account_id}`` from the call's params."""
+    try:
+        fields = [name for _, name, _, _ in _formatter.parse(template) if name is not None]
+    except ValueError as exc:
+        raise InvalidKey(f"bad key template {template!r}: {exc}") from None
+    for name in fields:
+        if not name or not name.isidentifier():
+            raise InvalidKey(f"key template {template!r} may only name params, like {{account_id}}")
+        if name not in params:
+            raise InvalidKey(f"key template {template!r} needs param {name!r}, which the call lacks")
+    return template.format_map({name: params[name] for name in fields})
+
+
+def validate_key(key: Any) -> str:
+    """Return the key if it is usable for a call, else raise InvalidKey."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"a key must be a string, not {type(key).__name__}")
+    if not key or key != key.strip():
+        raise InvalidKey(f"a key must be non-empty without surrounding spaces: {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"key longer than {MAX_KEY_LENGTH} characters: {key[:40]!r}...")
+    if "*" in key:
+        raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        raise InvalidKey(f"a key cannot contain control characters: {key!r}")
+    return key
+
+
+def resolve_keys(templates: Iterable[str], extra: Iterable[str] | None, params: Mapping[str, Any]) -> list[str]:
+    """Return the call's keys: the handler's templates filled in, plus keys given to send()."""
+    keys: list[str] = []
+    for template in templates:
+        keys.append(validate_key(format_key(template, params)))
+    if extra is not None:
+        if isinstance(extra, (str, bytes)):
+            raise InvalidKey("keys must be a list of strings, not a single string")
+        for key in extra:
+            keys.append(validate_key(key))
+    unique = list(dict.fromkeys(keys))
+    if len(unique) > MAX_KEYS:
+        raise InvalidKey(f"a call may have at most {MAX_KEYS} keys, got {len(unique)}")
+    return unique
+
+
+def key_set(keys: Iterable[str]) -> str:
+    """Return the canonical text of a set of keys: sorted, JSON-encoded."""
+    return json.dumps(sorted(set(keys)), separators=(",", ":"))
+
+
+def parse_key_set(text: str) -> list[str]:
+    return list(json.loads(text))
+
+
+def is_pattern(key: str) -> bool:
+    return key.endswith("*")
+
+
+def validate_policy_key(key: Any) -> str:
+    """Return a policy key (exact, or a pattern ending in ``*``) or raise ValueError."""
+    if not isinstance(key, str) or not key or key != key.strip():
+        raise ValueError(f"a policy key must be a non-empty string without surrounding spaces: {key!r}")
+    if len(key) > MAX_KEY_LENGTH:
+        raise ValueError(f"policy key longer than {MAX_KEY_LENGTH} characters")
+    if "*" in key[:-1]:
+        raise ValueError(f"'*' may only end a pattern, as in 'mailgun:*': {key!r}")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+        raise ValueError(f"a policy key cannot contain control characters: {key!r}")
+    return key
+
+
+def pattern_matches(pattern: str, key: str) -> bool:
+    return is_pattern(pattern) and key.startswith(pattern[:-1])

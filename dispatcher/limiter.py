@@ -1,0 +1,329 @@
+"""The limiter: policies per key, per-key locks and counters, and the sliding-window log.
+
+Every check happens inside the caller's transaction after ``lock_keys`` has locked the
+``KeyState`` rows of all the call's keys (sorted, so two lockers never deadlock), and reads
+the database clock after that lock wait. A policy (L per P) admits a start at time t only if
+fewer than L starts of the key lie in [t - P, t]; so no closed interval of length P ever holds
+more than L starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Iterable, Sequence
+
+from django.db import connection, models
+from django.db.models import Count, Q
+
+from dispatcher.keys import is_pattern, pattern_matches
+
+UNLIMITED = 10**9
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One rate policy as the limiter applies it."""
+
+    key: str
+    limit: int
+    period: timedelta
+    concurrency: int | None = None
+
+
+@dataclass
+class Policies:
+    """All policies and pattern pauses, loaded once per dispense pass or start."""
+
+    exact: dict[str, list[Policy]] = field(default_factory=dict)
+    patterns: list[tuple[str, list[Policy]]] = field(default_factory=list)
+    pattern_pauses: dict[str, datetime] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Policy], pattern_pauses: dict[str, datetime] | None = None) -> "Policies":
+        exact: dict[str, list[Policy]] = {}
+        grouped: dict[str, list[Policy]] = {}
+        for policy in rows:
+            target = grouped if is_pattern(policy.key) else exact
+            target.setdefault(policy.key, []).append(policy)
+        # The longest (most specific) pattern wins when several match a key.
+        patterns = sorted(grouped.items(), key=lambda item: len(item[0]), reverse=True)
+        return cls(exact=exact, patterns=patterns, pattern_pauses=dict(pattern_pauses or {}))
+
+    @classmethod
+    def load(cls) -> "Policies":
+        """Read every policy and every pattern pause from the database."""
+        from dispatcher.models import KeyState, RateLimit
+
+        rows = [
+            Policy(key=key, limit=limit, period=period, concurrency=concurrency)
+            for key, limit, period, concurrency in RateLimit.objects.values_list(
+                "key", "limit", "period", "concurrency"
+            )
+        ]
+        pauses = dict(
+            KeyState.objects.filter(key__endswith="*", paused_until__isnull=False).values_list(
+                "key", "paused_until"
+            )
+        )
+        return cls.from_rows(rows, pauses)
+
+    def for_key(self, key: str) -> list[Policy]:
+        """Return the policies governing a key: its exact ones, else the most specific pattern's."""
+        if key in self.exact:
+            return self.exact[key]
+        for pattern, policies in self.patterns:
+            if pattern_matches(pattern, key):
+                return policies
+        return []
+
+    def pattern_pause(self, key: str) -> datetime | None:
+        latest = None
+        for pattern, until in self.pattern_pauses.items():
+            if pattern_matches(pattern, key) and (latest is None or until > latest):
+                latest = until
+        return latest
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How many more calls a key set may take now, and if none, why and until when."""
+
+    room: int
+    until: datetime | None = None
+    reason: str = ""
+    key: str = ""
+
+    @property
+    def blocked(self) -> bool:
+        return self.room <= 0
+
+
+def combine(verdicts: Sequence[Verdict]) -> Verdict:
+    """Return the tightest of several verdicts (the smallest room, the latest wait)."""
+    if not verdicts:
+        return Verdict(room=UNLIMITED)
+    tightest = min(verdicts, key=lambda v: v.room)
+    if tightest.room > 0:
+        return tightest
+    blocked = [v for v in verdicts if v.room <= 0]
+    known = [v for v in blocked if v.until is not None]
+    if len(known) < len(blocked):
+        return next(v for v in blocked if v.until is None)
+    return max(known, key=lambda v: v.until)
+
+
+def lock_keys(keys: Sequence[str]) -> dict[str, "models.Model"]:
+    """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
+    from dispatcher.models import KeyState
+
+    if not keys:
+        return {}
+    ordered = sorted(set(keys))
+    states = {s.key: s for s in KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
+    if len(states) < len(ordered):
+        KeyState.objects.bulk_create(
+            [KeyState(key=k) for k in ordered if k not in states], ignore_conflicts=True
+        )
+        states = {s.key: s for s in KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
+    return states
+
+
+def _window_counts(key: str, policies: Sequence[Policy], now: datetime) -> list[int]:
+    from dispatcher.models import KeyStart
+
+    longest = max(p.period for p in policies)
+    aggregates = {
+        f"p{i}": Count("id", filter=Q(started_at__gte=now - p.period)) for i, p in enumerate(policies)
+    }
+    counts = KeyStart.objects.filter(key=key, started_at__gte=now - longest).aggregate(**aggregates)
+    return [counts[f"p{i}"] for i in range(len(policies))]
+
+
+def _slot_frees_at(key: str, policy: Policy, now: datetime, nth_oldest: int) -> datetime | None:
+    """Return when the nth oldest start in the window leaves it."""
+    from dispatcher.models import KeyStart
+
+    if nth_oldest < 1:
+        return None
+    starts = list(
+        KeyStart.objects.filter(key=key, started_at__gte=now - policy.period)
+        .order_by("started_at")
+        .values_list("started_at", flat=True)[nth_oldest - 1 : nth_oldest]
+    )
+    if not starts:
+        return None
+    return starts[0] + policy.period + timedelta(microseconds=1)
+
+
+def check_key(
+    key: str,
+    state: "models.Model",
+    now: datetime,
+    policies: Policies,
+    *,
+    for_start: bool,
+) -> Verdict:
+    """Return the room a key has now.
+
+    For a dispense (``for_start=False``) calls already dispatched but not started count as
+    if they had started; at the start itself only real starts and running calls count.
+    """
+    paused = [t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now]
+    if paused:
+        return Verdict(room=0, until=max(paused), reason="paused", key=key)
+    governing = policies.for_key(key)
+    if not governing:
+        return Verdict(room=UNLIMITED)
+    reserved = 0 if for_start else max(state.reserved, 0)
+    verdicts: list[Verdict] = []
+    caps = [p.concurrency for p in governing if p.concurrency]
+    if caps:
+        cap = min(caps)
+        busy = max(state.running, 0) + (0 if for_start else reserved)
+        free = cap - busy
+        verdicts.append(Verdict(room=free, until=None, reason=f"concurrency {busy}/{cap}", key=key))
+    counts = _window_counts(key, governing, now)
+    for policy, used in zip(governing, counts):
+        free = policy.limit - used - reserved
+        if free > 0:
+            verdicts.append(Verdict(room=free, key=key))
+            continue
+        # Room returns when enough of the starts in the window have aged out of it.
+        must_expire = used + reserved - policy.limit + 1
+        until = _slot_frees_at(key, policy, now, must_expire) if must_expire <= used else None
+        reason = f"{policy.limit} per {policy.period.total_seconds():g}s used"
+        verdicts.append(Verdict(room=0, until=until, reason=reason, key=key))
+    return combine(verdicts)
+
+
+def check_keys(
+    keys: Sequence[str],
+    states: dict[str, "models.Model"],
+    now: datetime,
+    policies: Policies,
+    *,
+    for_start: bool,
+) -> Verdict:
+    """Return the room of a set of keys: a call is admitted only if every key has room."""
+    return combine([check_key(k, states[k], now, policies, for_start=for_start) for k in keys])
+
+
+def record_starts(keys: Sequence[str], at: datetime) -> None:
+    """Append one start per key to the sliding-window log."""
+    from dispatcher.models import KeyStart
+
+    if keys:
+        KeyStart.objects.bulk_create([KeyStart(key=k, started_at=at) for k in keys])
+
+
+def adjust(keys: Sequence[str], *, reserved: int = 0, running: int = 0) -> None:
+    """Move the in-flight counters of locked keys."""
+    from dispatcher.models import KeyState
+
+    if not keys or (reserved == 0 and running == 0):
+        return
+    KeyState.objects.filter(key__in=list(keys)).update(
+        reserved=models.F("reserved") + reserved, running=models.F("running") + running
+    )
+
+
+def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:
+    """Pause keys until the given time, never shortening a longer pause already set."""
+    from dispatcher.models import KeyState
+
+    for key in keys:
+        KeyState.objects.bulk_create([KeyState(key=key)], ignore_conflicts=True)
+        KeyState.objects.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
+            paused_until=until, pause_reason=reason[:200]
+        )
+
+
+def prune_starts(batch: int = 5000) -> int:
+    """Delete window-log rows older than the longest policy period (at least an hour)."""
+    from django.db import transaction
+
+    from dispatcher.clock import db_now
+    from dispatcher.models import KeyStart, RateLimit
+
+    longest = max([timedelta(hours=1), *RateLimit.objects.values_list("period", flat=True)])
+    cutoff = db_now() - longest
+    deleted = 0
+    while True:
+        with transaction.atomic():
+            ids = list(KeyStart.objects.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
+            if not ids:
+                return deleted
+            deleted += KeyStart.objects.filter(id__in=ids)._raw_delete(KeyStart.objects.db)
+
+
+def wake_dispensers() -> None:
+    """Wake long-running dispensers (on PostgreSQL, delivered when the transaction commits)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify('dispatcher_wake', '')")
+
+
+class RateLimitManager(models.Manager):
+    """Edits of rate policies and pauses, shared by the command, the admin and settings."""
+
+    def set_policy(self, key: str, limit: int, period: timedelta, concurrency: int | None = None):
+        """Create or update the policy of ``key`` for ``period``."""
+        from dispatcher.keys import validate_policy_key
+
+        validate_policy_key(key)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit must be a whole number of at least 1, not {limit!r}")
+        if not isinstance(period, timedelta) or period <= timedelta(0):
+            raise ValueError(f"period must be a duration greater than zero, not {period!r}")
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
+            raise ValueError(f"concurrency must be a whole number of at least 1, not {concurrency!r}")
+        policy, _ = self.update_or_create(
+            key=key, period=period, defaults={"limit": limit, "concurrency": concurrency}
+        )
+        wake_dispensers()
+        return policy
+
+    def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
+        """Pause a key (or every key a pattern matches) for a duration from now."""
+        from django.db import transaction
+
+        from dispatcher.clock import db_now
+        from dispatcher.keys import validate_policy_key
+
+        validate_policy_key(key)
+        if duration <= timedelta(0):
+            raise ValueError("a pause must last longer than zero")
+        with transaction.atomic():
+            until = db_now() + duration
+            pause([key], until, reason)
+        return until
+
+    def resume_key(self, key: str) -> int:
+        """Lift the pause of a key (or pattern); return how many pauses were lifted."""
+        from dispatcher.models import KeyState
+
+        with_pause = KeyState.objects.filter(key=key, paused_until__isnull=False)
+        lifted = with_pause.update(paused_until=None, pause_reason="")
+        wake_dispensers()
+        return lifted
+
+    def seed_from_settings(self) -> int:
+        """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
+        from django.core.exceptions import ImproperlyConfigured
+
+        from dispatcher.conf import dispatcher_settings
+        from dispatcher.durations import parse_positive_duration
+
+        count = 0
+        for entry in dispatcher_settings.RATE_LIMITS:
+            try:
+                self.set_policy(
+                    entry["key"],
+                    int(entry["limit"]),
+                    parse_positive_duration(entry["period"]),
+                    int(entry["concurrency"]) if entry.get("concurrency") else None,
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ImproperlyConfigured(f"DISPATCHER_RATE_LIMITS entry {entry!r}: {exc}") from exc
+            count += 1
+        return count

@@ -1,0 +1,122 @@
+"""python manage.py ratelimit set|list|pause|resume|delete: edit rate policies without a deploy."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from dispatcher.durations import format_duration, parse_positive_duration
+from dispatcher.keys import validate_policy_key
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise CommandError(f"{name} must be a whole number, not {text!r}") from None
+        if value < 1:
+            raise CommandError(f"{name} must be at least 1, not {value}")
+        return value
+
+    return parse
+
+
+def _duration(name: str):
+    def parse(text: str):
+        try:
+            return parse_positive_duration(text)
+        except ValueError as exc:
+            raise CommandError(f"{name}: {exc}") from None
+
+    return parse
+
+
+def _key(text: str) -> str:
+    try:
+        return validate_policy_key(text)
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
+class Command(BaseCommand):
+    help = "Set, list, pause, resume and delete rate-limit policies."
+
+    def add_arguments(self, parser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True, title="actions")
+        set_ = sub.add_parser("set", help="create or update the policy of KEY for one period")
+        set_.add_argument("key", help="an exact key, or a pattern ending in '*'")
+        set_.add_argument("--limit", required=True, help="calls per period (at least 1)")
+        set_.add_argument("--per", required=True, help="the period, e.g. 500ms, 2s, 5m, 1h, 1d")
+        set_.add_argument("--concurrency", default=None, help="most calls in flight at once")
+        list_ = sub.add_parser("list", help="list the policies and pauses")
+        list_.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
+        pause = sub.add_parser("pause", help="pause KEY (or every key of a pattern)")
+        pause.add_argument("key")
+        pause.add_argument("--for", dest="duration", required=True, help="how long, e.g. 30s, 5m")
+        resume = sub.add_parser("resume", help="lift the pause of KEY")
+        resume.add_argument("key")
+        delete = sub.add_parser("delete", help="delete the policies of KEY")
+        delete.add_argument("key")
+        delete.add_argument("--per", default=None, help="only the policy with this period")
+
+    def handle(self, *args: Any, action: str, **options: Any) -> None:
+        getattr(self, f"do_{action}")(**options)
+
+    def do_set(self, key: str, limit: str, per: str, concurrency: str | None, **_: Any) -> None:
+        from dispatcher.models import RateLimit
+
+        key = _key(key)
+        limit_value = _positive_int("--limit")(limit)
+        period = _duration("--per")(per)
+        cap = _positive_int("--concurrency")(concurrency) if concurrency is not None else None
+        policy = RateLimit.objects.set_policy(key, limit_value, period, cap)
+        self.stdout.write(f"set {policy}")
+
+    def do_list(self, as_json: bool = False, **_: Any) -> None:
+        from dispatcher.models import KeyState, RateLimit
+
+        policies = list(RateLimit.objects.order_by("key", "period"))
+        pauses = list(KeyState.objects.filter(paused_until__isnull=False).order_by("key"))
+        if as_json:
+            self.stdout.write(json.dumps({
+                "policies": [
+                    {"key": p.key, "limit": p.limit, "period_seconds": p.period.total_seconds(), "concurrency": p.concurrency}
+                    for p in policies
+                ],
+                "pauses": [{"key": s.key, "paused_until": s.paused_until.isoformat(), "reason": s.pause_reason} for s in pauses],
+            }, indent=2))
+            return
+        if not policies:
+            self.stdout.write("no policies")
+        for p in policies:
+            cap = f"  concurrency {p.concurrency}" if p.concurrency else ""
+            self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8}{cap}")
+        for s in pauses:
+            self.stdout.write(f"paused {s.key} until {s.paused_until.isoformat()} ({s.pause_reason})")
+
+    def do_pause(self, key: str, duration: str, **_: Any) -> None:
+        from dispatcher.models import RateLimit
+
+        until = RateLimit.objects.pause_key(_key(key), _duration("--for")(duration))
+        self.stdout.write(f"paused {key} until {until.isoformat()}")
+
+    def do_resume(self, key: str, **_: Any) -> None:
+        from dispatcher.models import RateLimit
+
+        lifted = RateLimit.objects.resume_key(_key(key))
+        self.stdout.write(f"resumed {key}" if lifted else f"{key} was not paused")
+
+    def do_delete(self, key: str, per: str | None, **_: Any) -> None:
+        from dispatcher.models import RateLimit
+
+        policies = RateLimit.objects.filter(key=_key(key))
+        if per is not None:
+            policies = policies.filter(period=_duration("--per")(per))
+        deleted, _ = policies.delete()
+        if not deleted:
+            raise CommandError(f"no policy for {key!r}" + (f" per {per}" if per else ""))
+        self.stdout.write(f"deleted {deleted} polic{'y' if deleted == 1 else 'ies'} of {key}")
+
+

@@ -1,0 +1,194 @@
+"""The call table, its attempt history, rate policies and the limiter's per-key state."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+
+from dispatcher.limiter import RateLimitManager
+from dispatcher.queries import CallQueueManager
+
+
+class CallQueue(models.Model):
+    """One call to a third-party API, from send() to done, failed or cancelled."""
+
+    class Status(models.TextChoices):
+        # Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429.
+        PENDING = "pending", "Pending"
+        # Claimed by a dispenser and published to Celery; not yet started by a worker.
+        DISPATCHED = "dispatched", "Dispatched"
+        # A worker is running the handler.
+        RUNNING = "running", "Running"
+        # The handler returned; the result is stored.
+        DONE = "done", "Done"
+        # Gave up: a permanent error, or max_attempts spent.
+        FAILED = "failed", "Failed"
+        # Cancelled before it ran.
+        CANCELLED = "cancelled", "Cancelled"
+
+    WAITING = (Status.PENDING,)
+    IN_FLIGHT = (Status.DISPATCHED, Status.RUNNING)
+    FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+
+    method = models.CharField(max_length=100)
+    params = models.JSONField(default=dict, blank=True)
+    keys = models.JSONField(default=list, blank=True)
+    key_set = models.TextField(help_text="The call's keys, sorted and JSON-encoded; calls are claimed per key set.")
+    priority = models.IntegerField(default=0)
+    queue = models.CharField(max_length=100, blank=True, default="")
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.PENDING)
+    run_at = models.DateTimeField(db_default=Now(), help_text="Earliest time of the next start.")
+    attempts = models.PositiveIntegerField(default=0, help_text="Attempts started that count against max_attempts.")
+    max_attempts = models.PositiveIntegerField(default=3)
+    deferrals = models.PositiveIntegerField(default=0, help_text="Times a 429 sent the call back to wait.")
+    dispatch_no = models.PositiveIntegerField(default=0, help_text="Increments at every claim; a message carries it.")
+    created_at = models.DateTimeField(db_default=Now())
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    last_traceback = models.TextField(blank=True, default="")
+
+    objects = CallQueueManager()
+
+    class Meta:
+        db_table = "dispatcher_call"
+        verbose_name = "call"
+        indexes = [
+            # The dispenser's scan: waiting calls of one key set, most urgent first.
+            models.Index(
+                fields=["key_set", "-priority", "id"],
+                condition=Q(status="pending"),
+                name="dispatcher_call_waiting_idx",
+            ),
+            models.Index(
+                fields=["run_at"], condition=Q(status="pending"), name="dispatcher_call_run_at_idx"
+            ),
+            # The rescue sweep: calls in flight, oldest first.
+            models.Index(
+                fields=["status", "dispatched_at"],
+                condition=Q(status__in=["dispatched", "running"]),
+                name="dispatcher_call_inflight_idx",
+            ),
+            # Retention cleanup: finished calls by age.
+            models.Index(
+                fields=["finished_at"],
+                condition=Q(status__in=["done", "failed", "cancelled"]),
+                name="dispatcher_call_finished_idx",
+            ),
+            models.Index(fields=["status", "method"], name="dispatcher_call_status_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(status__in=["pending", "dispatched", "running", "done", "failed", "cancelled"]),
+                name="dispatcher_call_status_valid",
+            ),
+            models.CheckConstraint(condition=Q(max_attempts__gte=1), name="dispatcher_call_max_attempts_gte_1"),
+        ]
+
+    def __str__(self) -> str:
+        return f"#{self.pk} {self.method} ({self.status})"
+
+    @property
+    def is_retry_wait(self) -> bool:
+        """Whether the call waits for a retry, having been tried before."""
+        return self.status == self.Status.PENDING and self.attempts > 0
+
+
+class Attempt(models.Model):
+    """One start of a call by a worker; append-only history shown in the admin."""
+
+    class Outcome(models.TextChoices):
+        RUNNING = "running", "Running"
+        DONE = "done", "Done"
+        ERROR = "error", "Error (retryable)"
+        FAILED = "failed", "Failed (permanent)"
+        RATE_LIMITED = "rate_limited", "Rate limited (429)"
+        LOST = "lost", "Lost (rescued)"
+
+    call = models.ForeignKey(CallQueue, on_delete=models.CASCADE, related_name="attempt_set")
+    number = models.PositiveIntegerField(help_text="Which attempt of the call this is, from 1.")
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=20, choices=Outcome.choices, default=Outcome.RUNNING)
+    error = models.TextField(blank=True, default="")
+    worker = models.CharField(max_length=200, blank=True, default="")
+
+    class Meta:
+        db_table = "dispatcher_attempt"
+        ordering = ["call_id", "id"]
+        indexes = [models.Index(fields=["call", "id"], name="dispatcher_attempt_call_idx")]
+
+    def __str__(self) -> str:
+        return f"attempt {self.number} of call #{self.call_id}: {self.outcome}"
+
+
+class RateLimit(models.Model):
+    """A policy: at most ``limit`` starts per ``period`` for a key, and at most ``concurrency`` in flight."""
+
+    key = models.CharField(
+        max_length=200, help_text="An exact key, or a pattern ending in '*' giving each matching key its own limit."
+    )
+    limit = models.PositiveIntegerField(help_text="Most calls that may start in any window of one period.")
+    period = models.DurationField(help_text="Length of the window, e.g. 1 second, 1 hour.")
+    concurrency = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Most calls of the key dispatched or running at once."
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    objects = RateLimitManager()
+
+    class Meta:
+        db_table = "dispatcher_ratelimit"
+        ordering = ["key", "period"]
+        constraints = [
+            models.UniqueConstraint(fields=["key", "period"], name="dispatcher_ratelimit_key_period_uniq"),
+            models.CheckConstraint(condition=Q(limit__gte=1), name="dispatcher_ratelimit_limit_gte_1"),
+            models.CheckConstraint(condition=Q(period__gt=timedelta(0)), name="dispatcher_ratelimit_period_gt_0"),
+            models.CheckConstraint(
+                condition=Q(concurrency__isnull=True) | Q(concurrency__gte=1),
+                name="dispatcher_ratelimit_concurrency_gte_1",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        from dispatcher.durations import format_duration
+
+        text = f"{self.key}: {self.limit} per {format_duration(self.period)}"
+        if self.concurrency:
+            text += f", {self.concurrency} concurrent"
+        return text
+
+
+class KeyState(models.Model):
+    """The limiter's lock row and counters for one key (or a pattern's pause)."""
+
+    key = models.CharField(max_length=200, primary_key=True)
+    reserved = models.IntegerField(default=0, help_text="Calls dispatched and not yet started.")
+    running = models.IntegerField(default=0, help_text="Calls running now.")
+    paused_until = models.DateTimeField(null=True, blank=True)
+    pause_reason = models.CharField(max_length=200, blank=True, default="")
+
+    class Meta:
+        db_table = "dispatcher_keystate"
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class KeyStart(models.Model):
+    """One start under one key: the sliding-window log the limiter counts."""
+
+    key = models.CharField(max_length=200)
+    started_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "dispatcher_keystart"
+        indexes = [models.Index(fields=["key", "started_at"], name="dispatcher_keystart_key_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.key} @ {self.started_at.isoformat()}"

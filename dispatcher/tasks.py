@@ -1,0 +1,56 @@
+"""Celery tasks: thin wrappers over the dispenser, the worker and the manager."""
+from __future__ import annotations
+
+import logging
+
+from celery import shared_task
+
+log = logging.getLogger("dispatcher")
+
+
+@shared_task(name="dispatcher.run_call", ignore_result=True)
+def run_call(call_id: int, dispatch_no: int) -> str:
+    """Run one delivery of a call (a stale or duplicate delivery does nothing)."""
+    from dispatcher.worker import execute
+
+    return execute(call_id, dispatch_no)
+
+
+@shared_task(name="dispatcher.dispense", ignore_result=True)
+def dispense(max_passes: int = 20) -> int:
+    """Run dispense passes while each fills its batch (bounded); return calls moved."""
+    from dispatcher.dispenser import Dispenser
+
+    dispenser = Dispenser()
+    moved = 0
+    for _ in range(max_passes):
+        report = dispenser.run_once()
+        moved += report.moved
+        if not report.full:
+            break
+    return moved
+
+
+@shared_task(name="dispatcher.rescue", ignore_result=True)
+def rescue() -> int:
+    """Return calls stuck in dispatched or running past their timeout to waiting."""
+    from dispatcher.models import CallQueue
+
+    report = CallQueue.objects.rescue()
+    if report.ids:
+        log.warning(
+            "rescued dispatched=%s running=%s failed=%s ids=%s",
+            report.dispatched, report.running, report.failed, report.ids[:20],
+        )
+    return len(report.ids)
+
+
+@shared_task(name="dispatcher.prune", ignore_result=True)
+def prune() -> int:
+    """Delete finished calls older than DISPATCHER_RETENTION."""
+    from dispatcher.conf import dispatcher_settings
+    from dispatcher.models import CallQueue
+
+    deleted = CallQueue.objects.prune(dispatcher_settings.RETENTION)
+    log.info("pruned calls=%s", deleted)
+    return deleted

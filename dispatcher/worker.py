@@ -1,0 +1,55 @@
+"""The worker side: start a dispatched call, run its handler outside any transaction, record it."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import os
+import traceback
+from typing import Any
+
+from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
+from dispatcher.registry import get_handler
+
+log = logging.getLogger("dispatcher")
+
+
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return {"repr": repr(value)[:4096]}
+
+
+def execute(call_id: int, dispatch_no: int) -> str:
+    """Run one delivery of a call; return what happened (started calls end done, retry or failed)."""
+    from dispatcher.models import CallQueue
+
+    started = CallQueue.objects.start(call_id, dispatch_no, worker=f"{socket.gethostname()}:{os.getpid()}")
+    if started.state != "started":
+        log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, started.state, started.reason)
+        return started.state
+    call, attempt = started.call, started.attempt
+    assert call is not None and attempt is not None
+    log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
+    try:
+        fn = get_handler(call.method).fn
+        result = fn(**call.params)
+    except RateLimited as exc:
+        CallQueue.objects.finish_rate_limited(call, attempt, exc.retry_after, exc.key, f"RateLimited: {exc}")
+        log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
+        return "rate_limited"
+    except (PermanentError, UnknownMethod) as exc:
+        CallQueue.objects.finish_error(call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=True)
+        log.info("run_failed call=%s error=%r", call.id, exc)
+        return "failed"
+    except Exception as exc:
+        CallQueue.objects.finish_error(call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=False)
+        log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
+        return "error"
+    CallQueue.objects.finish_done(call, attempt, _jsonable(result))
+    log.info("run_done call=%s attempt=%s", call.id, attempt.number)
+    return "done"

@@ -1,0 +1,28 @@
+"""Handlers used by the tests; autodiscovered like any installed app's ``handlers`` module."""
+from __future__ import annotations
+
+from typing import Any
+
+from dispatcher import PermanentError, handler
+
+
+def _check_greeting(params: dict[str, Any]) -> None:
+    if not isinstance(params.get("name"), str) or not params["name"]:
+        raise ValueError("'name' must be a non-empty string")
+
+
+@handler("greet", keys=["greeter", "greeter:{name}"], validator=_check_greeting)
+def greet(name: str) -> dict[str, str]:
+    return {"greeting": f"hello {name}"}
+
+
+@handler("noop")
+def noop(**params: Any) -> None:
+    return None
+
+
+@handler("explode")
+def explode(permanent: bool = False, **params: Any) -> None:
+    if permanent:
+        raise PermanentError("cannot be done")
+    raise RuntimeError("boom")
