@@ -8,9 +8,9 @@ more than L starts.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Iterable, Sequence
 
 from django.db import connection, models
 from django.db.models import Count, Q
@@ -39,7 +39,7 @@ class Policies:
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[Policy], pattern_pauses: dict[str, datetime] | None = None) -> "Policies":
+    def from_rows(cls, rows: Iterable[Policy], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
         exact: dict[str, list[Policy]] = {}
         grouped: dict[str, list[Policy]] = {}
         for policy in rows:
@@ -50,7 +50,7 @@ class Policies:
         return cls(exact=exact, patterns=patterns, pattern_pauses=dict(pattern_pauses or {}))
 
     @classmethod
-    def load(cls) -> "Policies":
+    def load(cls) -> Policies:
         """Read every policy and every pattern pause from the database."""
         from dispatcher.models import KeyState, RateLimit
 
@@ -112,7 +112,7 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
     return max(known, key=lambda v: v.until)
 
 
-def lock_keys(keys: Sequence[str]) -> dict[str, "models.Model"]:
+def lock_keys(keys: Sequence[str]) -> dict[str, models.Model]:
     """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
     from dispatcher.models import KeyState
 
@@ -157,7 +157,7 @@ def _slot_frees_at(key: str, policy: Policy, now: datetime, nth_oldest: int) -> 
 
 def check_key(
     key: str,
-    state: "models.Model",
+    state: models.Model,
     now: datetime,
     policies: Policies,
     *,
@@ -183,7 +183,7 @@ def check_key(
         free = cap - busy
         verdicts.append(Verdict(room=free, until=None, reason=f"concurrency {busy}/{cap}", key=key))
     counts = _window_counts(key, governing, now)
-    for policy, used in zip(governing, counts):
+    for policy, used in zip(governing, counts, strict=False):
         free = policy.limit - used - reserved
         if free > 0:
             verdicts.append(Verdict(room=free, key=key))
@@ -198,7 +198,7 @@ def check_key(
 
 def check_keys(
     keys: Sequence[str],
-    states: dict[str, "models.Model"],
+    states: dict[str, models.Model],
     now: datetime,
     policies: Policies,
     *,

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from django.db import connection, models, transaction
 from django.db.models import F, Q
@@ -52,8 +53,8 @@ class Started:
     """The outcome of a worker's attempt to start a call."""
 
     state: str  # "started", "stale" or "deferred"
-    call: "CallQueue | None" = None
-    attempt: "Attempt | None" = None
+    call: CallQueue | None = None
+    attempt: Attempt | None = None
     reason: str = ""
 
 
@@ -105,19 +106,19 @@ def _clean_queue(queue: Any) -> str:
 class CallQueueQuerySet(models.QuerySet):
     """Calls filtered by state."""
 
-    def pending(self) -> "CallQueueQuerySet":
+    def pending(self) -> CallQueueQuerySet:
         return self.filter(status=PENDING)
 
-    def in_flight(self) -> "CallQueueQuerySet":
+    def in_flight(self) -> CallQueueQuerySet:
         return self.filter(status__in=[DISPATCHED, RUNNING])
 
-    def finished(self) -> "CallQueueQuerySet":
+    def finished(self) -> CallQueueQuerySet:
         return self.filter(status__in=[DONE, FAILED, CANCELLED])
 
-    def waiting_retry(self) -> "CallQueueQuerySet":
+    def waiting_retry(self) -> CallQueueQuerySet:
         return self.filter(status=PENDING, attempts__gt=0)
 
-    def due(self, now: datetime) -> "CallQueueQuerySet":
+    def due(self, now: datetime) -> CallQueueQuerySet:
         return self.filter(status=PENDING, run_at__lte=now)
 
 
@@ -136,7 +137,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         run_at: datetime | None = None,
         max_attempts: int | None = None,
         queue: str | None = None,
-    ) -> "CallQueue":
+    ) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
         handler = get_handler(method)
         clean = _clean_params(params, dispatcher_settings.MAX_PARAMS_BYTES)
@@ -176,7 +177,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         run_at: datetime | None = None,
         max_attempts: int | None = None,
         queue: str | None = None,
-    ) -> "CallQueue":
+    ) -> CallQueue:
         """Store one call in the caller's transaction and return the saved row."""
         call = self.build(
             method, params, keys=keys, priority=priority, run_at=run_at, max_attempts=max_attempts, queue=queue
@@ -184,7 +185,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         call.save(force_insert=True, using=self.db)
         return call
 
-    def send_many(self, calls: Iterable[Mapping[str, Any]]) -> list["CallQueue"]:
+    def send_many(self, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
         """Store many calls (each a dict of send()'s arguments) in one statement; all or none."""
         built = []
         for index, spec in enumerate(calls):
@@ -305,7 +306,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.adjust(keys, reserved=-1, running=1)
         return Started("started", call=call, attempt=attempt)
 
-    def _finish(self, call: "CallQueue", attempt: "Attempt", outcome: str, error: str, **changes: Any) -> bool:
+    def _finish(self, call: CallQueue, attempt: Attempt, outcome: str, error: str, **changes: Any) -> bool:
         from dispatcher.models import Attempt
 
         keys = parse_key_set(call.key_set)
@@ -323,13 +324,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.wake_dispensers()
         return True
 
-    def finish_done(self, call: "CallQueue", attempt: "Attempt", result: Any) -> bool:
+    def finish_done(self, call: CallQueue, attempt: Attempt, result: Any) -> bool:
         """Record a successful attempt and its result."""
         return self._finish(
             call, attempt, "done", "", status=DONE, result=result, finished_at=lambda now: now, last_error=""
         )
 
-    def finish_error(self, call: "CallQueue", attempt: "Attempt", error: str, tb: str, *, permanent: bool) -> bool:
+    def finish_error(self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool) -> bool:
         """Record a failed attempt: retry with backoff while attempts remain, else fail."""
         error = error[:MAX_ERROR_CHARS]
         if permanent or call.attempts >= call.max_attempts:
@@ -345,7 +346,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
 
     def finish_rate_limited(
-        self, call: "CallQueue", attempt: "Attempt", retry_after: float | None, key: str | None, error: str
+        self, call: CallQueue, attempt: Attempt, retry_after: float | None, key: str | None, error: str
     ) -> bool:
         """Record a 429: pause the key, put the call back to wait, refund the attempt."""
         from dispatcher.models import Attempt

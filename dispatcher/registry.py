@@ -1,8 +1,9 @@
 """Handlers: the functions that perform calls, registered by method name."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from dispatcher.exceptions import InvalidParams, UnknownMethod
 

@@ -26,7 +26,7 @@ class RetryPolicy:
         return timedelta(seconds=seconds * (1 + self.jitter * u))
 
     @classmethod
-    def from_settings(cls) -> "RetryPolicy":
+    def from_settings(cls) -> RetryPolicy:
         from dispatcher.conf import dispatcher_settings as ds
 
         return cls(base=ds.RETRY_BASE, max=ds.RETRY_MAX, jitter=ds.RETRY_JITTER)

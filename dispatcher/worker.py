@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import os
+import socket
 import traceback
 from typing import Any
 

@@ -1,0 +1,75 @@
+"""Fixtures shared by the tests: a fake API, a Redis broker db, real processes."""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.fakeapi import FakeAPI
+from tests.procs import Processes, database_url
+
+# Read lazily by dispatcher.conf, by this process and by every process the tests start.
+os.environ.setdefault("DISPATCHER_HTTP_ALLOWED_HOSTS", "127.0.0.1")
+os.environ.setdefault("DISPATCHER_RETRY_BASE", "100ms")
+os.environ.setdefault("DISPATCHER_RETRY_MAX", "1s")
+os.environ.setdefault("DISPATCHER_POLL_INTERVAL", "200ms")
+
+REDIS_DB = int(os.environ.get("TEST_REDIS_DB", "9"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        skip = pytest.mark.skip(reason="needs PostgreSQL (run with DATABASE_URL=postgres://...)")
+        for item in items:
+            if "postgres" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_api():
+    api = FakeAPI().start()
+    yield api
+    api.stop()
+
+
+@pytest.fixture
+def redis_url():
+    """A Redis database of the tests' own, flushed before and after."""
+    import redis
+
+    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    yield url
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def artifacts_dir() -> Path:
+    path = Path(__file__).resolve().parent.parent / "artifacts"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def procs(transactional_db, redis_url, tmp_path):
+    """Real worker and dispenser processes on the test database and a Redis broker."""
+    from django.db import connection
+
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    env = {
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "CELERY_BROKER_URL": redis_url,
+        "CELERY_TASK_DEFAULT_QUEUE": queue,
+        "PYTHONUNBUFFERED": "1",
+    }
+    processes = Processes(env, tmp_path)
+    processes.queue = queue
+    yield processes
+    processes.stop_all()

@@ -1,0 +1,133 @@
+"""A fake third-party API served on 127.0.0.1 inside the tests; it records every arrival."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+
+@dataclass
+class Arrival:
+    at: float
+    path: str
+    tenant: str
+    call: str
+
+
+@dataclass
+class FakeAPI:
+    """Paths: /ok, /fail/<id>?times=N (500 N times then 200), /always500, /bad (400),
+    /limited/<id>?times=N&after=S (429 with Retry-After S, N times, then 200), /slow?delay=S.
+
+    With ``enforce=(limit, period)`` the API itself answers 429 (Retry-After) to any request
+    beyond ``limit`` in the last ``period`` seconds, as a real partner would.
+    """
+
+    enforce: tuple[int, float] | None = None
+    arrivals: list[Arrival] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    recent: deque = field(default_factory=deque)
+    rejected_429: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+
+    def start(self) -> FakeAPI:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                api._serve(self)
+
+            do_POST = do_GET
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _serve(self, req: BaseHTTPRequestHandler) -> None:
+        now = time.time()
+        length = int(req.headers.get("content-length") or 0)
+        if length:
+            req.rfile.read(length)
+        parts = urlsplit(req.path)
+        query = {k: v[0] for k, v in parse_qs(parts.query).items()}
+        segments = [s for s in parts.path.split("/") if s]
+        with self.lock:
+            self.arrivals.append(Arrival(now, parts.path, req.headers.get("x-tenant", ""), req.headers.get("x-call", "")))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if self.enforce is not None:
+                limit, period = self.enforce
+                while self.recent and self.recent[0] <= now - period:
+                    self.recent.popleft()
+                if len(self.recent) >= limit:
+                    self.rejected_429 += 1
+                    retry = max(0.05, self.recent[0] + period - now)
+                    self.in_flight -= 1
+                    return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": f"{retry:.3f}"})
+                self.recent.append(now)
+            counter_key = parts.path
+            self.counters[counter_key] += 1
+            seen = self.counters[counter_key]
+        try:
+            kind = segments[0] if segments else "ok"
+            if kind == "slow":
+                time.sleep(float(query.get("delay", "0.2")))
+            if kind == "fail" and seen <= int(query.get("times", "1")):
+                return self._answer(req, 500, {"error": "transient", "seen": seen})
+            if kind == "always500":
+                return self._answer(req, 500, {"error": "down"})
+            if kind == "bad":
+                return self._answer(req, 400, {"error": "bad request"})
+            if kind == "limited" and seen <= int(query.get("times", "1")):
+                return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": query.get("after", "1")})
+            return self._answer(req, 200, {"ok": True, "seen": seen, "path": parts.path})
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+    @staticmethod
+    def _answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
+        req.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            req.send_header(name, value)
+        req.end_headers()
+        req.wfile.write(data)
+
+    def times(self, predicate=lambda a: True) -> list[float]:
+        with self.lock:
+            return sorted(a.at for a in self.arrivals if predicate(a))
+
+
+def max_in_window(times: list[float], period: float) -> int:
+    """Return the most events in any closed interval of length ``period``."""
+    best, left = 0, 0
+    ordered = sorted(times)
+    for right, t in enumerate(ordered):
+        while ordered[left] < t - period:
+            left += 1
+        best = max(best, right - left + 1)
+    return best
