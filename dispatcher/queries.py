@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -72,7 +72,7 @@ def _clean_params(params: Any, limit: int) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise InvalidParams(f"params must be a JSON object (a dict), not {type(params).__name__}")
     try:
-        text = json.dumps(params, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(params, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except RecursionError:
         raise InvalidParams("params are nested too deeply") from None
     except (TypeError, ValueError) as exc:
@@ -430,25 +430,56 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     # --- retention ------------------------------------------------------------------------
 
-    def prune(self, older_than: timedelta, *, batch: int | None = None, dry_run: bool = False, progress=None) -> int:
-        """Delete finished calls (and their attempts) older than ``older_than``, a batch per transaction."""
-        from dispatcher.models import Attempt
+    def prune(
+        self,
+        older_than: timedelta,
+        *,
+        batch: int | None = None,
+        dry_run: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Delete finished calls (and their attempts) older than ``older_than``, a short transaction per batch.
+
+        Only done, failed and cancelled calls are touched, and none that finished within the
+        longest policy period, so the attempt history behind a limiter window stays; the
+        window log itself (KeyStart) is trimmed by ``limiter.prune_starts``, which keeps what
+        a window needs. ``progress(done, total)`` is called after every batch. With
+        ``dry_run`` nothing is deleted and the number that would be is returned.
+        """
+        from dispatcher.models import Attempt, RateLimit
 
         batch = batch or dispatcher_settings.PRUNE_BATCH
-        cutoff = db_now() - older_than
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, not {batch}")
+        if older_than < timedelta(0):
+            raise ValueError("older_than cannot be negative")
+        longest = max([timedelta(0), *RateLimit.objects.values_list("period", flat=True)])
+        cutoff = db_now() - max(older_than, longest)
         old = self.finished().filter(finished_at__lt=cutoff)
-        if dry_run:
-            return old.count()
+        total = old.count()
+        if dry_run or total == 0:
+            if progress is not None:
+                progress(0, total)
+            return total
         deleted = 0
-        while True:
+        last_id = 0
+        while deleted < total:
+            # One short transaction per batch: it locks only the rows it deletes, which no
+            # dispenser or worker wants (they are finished), and commits before the next.
             with transaction.atomic(using=self.db):
-                ids = list(old.order_by("finished_at").values_list("id", flat=True)[:batch])
+                # Locking the batch's rows keeps a concurrent retry_now off them; rows locked
+                # elsewhere are skipped, never waited for.
+                ids = list(
+                    old.filter(id__gt=last_id).order_by("id").select_for_update(skip_locked=True)
+                    .values_list("id", flat=True)[:batch]
+                )
                 if not ids:
                     break
-                Attempt.objects.filter(call_id__in=ids).delete()
-                deleted += self.filter(id__in=ids).finished()._raw_delete(self.db)
+                last_id = ids[-1]
+                Attempt.objects.filter(call_id__in=ids)._raw_delete(self.db)
+                deleted += self.filter(id__in=ids).finished().filter(finished_at__lt=cutoff)._raw_delete(self.db)
             if progress is not None:
-                progress(deleted)
+                progress(deleted, total)
         limiter.prune_starts()
         return deleted
 
@@ -465,6 +496,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 max_attempts=models.Case(
                     models.When(attempts__gte=F("max_attempts"), then=F("attempts") + 1),
                     default=F("max_attempts"),
+                    output_field=models.PositiveIntegerField(),
                 ),
             )
             limiter.wake_dispensers()
