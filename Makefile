@@ -29,3 +29,8 @@ check: venv
 
 clean:
 	rm -rf $(VENV) var/db.sqlite3* var/broker artifacts
+
+# The browser test drives Debian's chromium headless; install it only if it is missing.
+.PHONY: browser-deps
+browser-deps:
+	@if [ ! -x /usr/bin/chromium ]; then apt-get update && apt-get install -y chromium; fi

@@ -88,6 +88,9 @@ class DispatcherSettings:
     RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'concurrency'?}].")
     PRUNE_BATCH = Setting(1000, _as_int, "Rows prune_calls deletes per transaction.")
     RESCUE_BATCH = Setting(200, _as_int, "Calls the rescue sweep returns per transaction.")
+    API_TOKENS = Setting("", _as_list, "Bearer tokens accepted by the HTTP enqueue/status API (comma-separated).")
+    METRICS_TOKENS = Setting("", _as_list, "Bearer tokens accepted by /metrics (comma-separated).")
+    METRICS_PUBLIC = Setting(False, _as_bool, "Serve /metrics to anyone (otherwise: a token or staff with view permission).")
 
     def as_rows(self) -> list[tuple[str, str, str]]:
         """Return (name, default, description) for every setting, for docs."""

@@ -1,0 +1,365 @@
+"""Live status per key and "why is this call waiting, and until when": one read-only view.
+
+The admin, the ``dispatcher_status`` command, the dashboard, the metrics and the API all read
+from here. Nothing here takes a lock or writes: it asks the limiter's own ``check_key`` the
+question a dispenser would ask (``for_start=False``), on rows read without ``FOR UPDATE``, so
+the answer is what a dispenser would decide at this instant, give or take a concurrent claim.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db.models import Count, Min, Q
+from django.db.models.functions import TruncMinute
+
+from dispatcher import limiter
+from dispatcher.clock import db_now
+from dispatcher.durations import format_duration
+from dispatcher.keys import is_pattern, parse_key_set
+
+if TYPE_CHECKING:
+    from dispatcher.models import CallQueue
+
+
+@dataclass(frozen=True)
+class PolicyUse:
+    """One policy of a key and how much of its current window is used."""
+
+    policy_key: str
+    limit: int
+    period: timedelta
+    used: int
+    concurrency: int | None
+
+    @property
+    def utilisation(self) -> float:
+        return self.used / self.limit
+
+    @property
+    def per_minute(self) -> float:
+        """The policy's limit expressed as starts per minute (its average rate)."""
+        return self.limit * 60 / self.period.total_seconds()
+
+    def label(self) -> str:
+        return f"{self.limit} per {format_duration(self.period)}"
+
+
+@dataclass
+class KeyStatus:
+    """Everything an operator asks about one key, read at one instant."""
+
+    key: str
+    now: datetime
+    policies: list[PolicyUse] = field(default_factory=list)
+    reserved: int = 0
+    running: int = 0
+    waiting: int = 0
+    due: int = 0
+    oldest_waiting_since: datetime | None = None
+    paused_until: datetime | None = None
+    pause_reason: str = ""
+    room: int = limiter.UNLIMITED
+    blocked_reason: str = ""
+    next_free_at: datetime | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.reserved + self.running
+
+    @property
+    def concurrency(self) -> int | None:
+        caps = [p.concurrency for p in self.policies if p.concurrency]
+        return min(caps) if caps else None
+
+    @property
+    def oldest_wait(self) -> timedelta | None:
+        if self.oldest_waiting_since is None:
+            return None
+        return max(self.now - self.oldest_waiting_since, timedelta(0))
+
+    @property
+    def blocked(self) -> bool:
+        return self.room <= 0
+
+    @property
+    def governed_by(self) -> str:
+        """The policy key (exact or pattern) whose policies apply, or '' if none."""
+        return self.policies[0].policy_key if self.policies else ""
+
+    @property
+    def drain_time(self) -> timedelta | None:
+        """Estimate how long the backlog takes to start at the current limits.
+
+        For each policy (L per P): the calls beyond the room left now need ceil(n / L) more
+        windows of P; the slowest policy and any pause decide. Concurrency is left out (how
+        long a call runs is not known in advance), so the estimate is a lower bound. None when
+        nothing waits; zero when the backlog fits the room there is now.
+        """
+        if self.waiting == 0:
+            return None
+        estimate = timedelta(0)
+        for policy in self.policies:
+            room_now = max(policy.limit - policy.used - self.reserved, 0)
+            beyond = self.waiting - room_now
+            if beyond > 0:
+                estimate = max(estimate, policy.period * math.ceil(beyond / policy.limit))
+        if self.paused_until and self.paused_until > self.now:
+            estimate += self.paused_until - self.now
+        return estimate
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the status as JSON-ready data (times in ISO 8601, durations in seconds)."""
+        return {
+            "key": self.key,
+            "governed_by": self.governed_by or None,
+            "policies": [
+                {
+                    "policy_key": p.policy_key,
+                    "limit": p.limit,
+                    "period_seconds": p.period.total_seconds(),
+                    "used": p.used,
+                    "utilisation": round(p.utilisation, 4),
+                }
+                for p in self.policies
+            ],
+            "concurrency": self.concurrency,
+            "in_flight": self.in_flight,
+            "reserved": self.reserved,
+            "running": self.running,
+            "waiting": self.waiting,
+            "due": self.due,
+            "oldest_wait_seconds": _seconds(self.oldest_wait),
+            "paused_until": _iso(self.paused_until),
+            "pause_reason": self.pause_reason,
+            "room": None if self.room >= limiter.UNLIMITED else max(self.room, 0),
+            "blocked_reason": self.blocked_reason,
+            "next_free_at": _iso(self.next_free_at),
+            "drain_seconds": _seconds(self.drain_time),
+        }
+
+
+@dataclass(frozen=True)
+class WaitReason:
+    """One thing that holds a call back."""
+
+    kind: str  # "run_at", "backoff", "deferred", "paused", "rate", "concurrency"
+    text: str
+    until: datetime | None = None
+    key: str = ""
+
+
+@dataclass
+class WaitExplanation:
+    """Why a call waits and until when (``until`` None: until something else finishes)."""
+
+    waiting: bool
+    reasons: list[WaitReason]
+    until: datetime | None
+    now: datetime
+
+    def summary(self) -> str:
+        if not self.waiting:
+            return "not waiting"
+        if not self.reasons:
+            return "due now: the next dispense pass will send it"
+        lines = [r.text for r in self.reasons]
+        return "; ".join(lines)
+
+
+def humanize(moment: datetime | None, now: datetime) -> str:
+    """Write a moment relative to now: "in 3 min", "12 s ago", "now"."""
+    if moment is None:
+        return "-"
+    seconds = (moment - now).total_seconds()
+    text = _span(abs(seconds))
+    if text == "now":
+        return text
+    return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def humanize_duration(value: timedelta | None) -> str:
+    """Write a duration for people: "3 min", "1 h 5 min", "-"."""
+    if value is None:
+        return "-"
+    text = _span(value.total_seconds())
+    return "0 s" if text == "now" else text
+
+
+def _span(seconds: float) -> str:
+    if seconds < 0.5:
+        return "now"
+    if seconds < 60:
+        return f"{round(seconds)} s"
+    if seconds < 3600:
+        return f"{round(seconds / 60)} min"
+    if seconds < 86400:
+        hours, rest = divmod(round(seconds / 60), 60)
+        return f"{hours} h {rest} min" if rest else f"{hours} h"
+    days, rest = divmod(round(seconds / 3600), 24)
+    return f"{days} d {rest} h" if rest else f"{days} d"
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def _seconds(value: timedelta | None) -> float | None:
+    return round(value.total_seconds(), 3) if value is not None else None
+
+
+def _key_state(key: str, states: dict[str, Any]) -> Any:
+    from dispatcher.models import KeyState
+
+    return states.get(key) or KeyState(key=key)
+
+
+def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies) -> KeyStatus:
+    governing = policies.for_key(key)
+    counts = limiter._window_counts(key, governing, now) if governing else []
+    pattern_pause = policies.pattern_pause(key)
+    pauses = [t for t in (state.paused_until, pattern_pause) if t is not None and t > now]
+    verdict = limiter.check_key(key, state, now, policies, for_start=False)
+    status = KeyStatus(
+        key=key,
+        now=now,
+        policies=[
+            PolicyUse(p.key, p.limit, p.period, used, p.concurrency) for p, used in zip(governing, counts, strict=True)
+        ],
+        reserved=max(state.reserved, 0),
+        running=max(state.running, 0),
+        paused_until=max(pauses) if pauses else None,
+        pause_reason=state.pause_reason if state.paused_until in pauses else "pattern paused" if pauses else "",
+        room=verdict.room,
+    )
+    if verdict.blocked:
+        status.blocked_reason = verdict.reason
+        status.next_free_at = verdict.until
+    else:
+        status.next_free_at = now
+    return status
+
+
+def waiting_by_key(now: datetime) -> dict[str, tuple[int, int, datetime | None]]:
+    """Return per key (waiting, due now, oldest created_at) over waiting calls, by key set."""
+    from dispatcher.models import CallQueue
+
+    totals: dict[str, tuple[int, int, datetime | None]] = {}
+    rows = (
+        CallQueue.objects.pending()
+        .values("key_set")
+        .annotate(n=Count("id"), due=Count("id", filter=Q(run_at__lte=now)), oldest=Min("created_at"))
+        .order_by()
+    )
+    for row in rows:
+        for key in parse_key_set(row["key_set"]):
+            n, due, oldest = totals.get(key, (0, 0, None))
+            if oldest is None or (row["oldest"] is not None and row["oldest"] < oldest):
+                oldest = row["oldest"]
+            totals[key] = (n + row["n"], due + row["due"], oldest)
+    return totals
+
+
+def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = None) -> list[KeyStatus]:
+    """Return the live status of the given keys, or of every key worth showing, sorted by key.
+
+    Worth showing: keys with an exact policy, with waiting or in-flight calls, with a pause,
+    or that started a call in the last hour.
+    """
+    from dispatcher.models import KeyStart, KeyState, RateLimit
+
+    now = now or db_now()
+    policies = limiter.Policies.load()
+    waiting = waiting_by_key(now)
+    if keys is None:
+        wanted = set(waiting)
+        wanted.update(k for k in RateLimit.objects.values_list("key", flat=True) if not is_pattern(k))
+        wanted.update(
+            KeyState.objects.filter(Q(reserved__gt=0) | Q(running__gt=0) | Q(paused_until__gt=now))
+            .exclude(key__endswith="*")
+            .values_list("key", flat=True)
+        )
+        wanted.update(
+            KeyStart.objects.filter(started_at__gte=now - timedelta(hours=1)).values_list("key", flat=True).distinct()
+        )
+    else:
+        wanted = set(keys)
+    states = {s.key: s for s in KeyState.objects.filter(key__in=wanted)}
+    result = []
+    for key in sorted(wanted):
+        status = _status_for(key, _key_state(key, states), now, policies)
+        status.waiting, status.due, status.oldest_waiting_since = waiting.get(key, (0, 0, None))
+        result.append(status)
+    return result
+
+
+def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
+    """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
+    from dispatcher.models import KeyState
+
+    now = now or db_now()
+    if call.status != "pending":
+        return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
+    policies = policies or limiter.Policies.load()
+    reasons: list[WaitReason] = []
+    if call.run_at and call.run_at > now:
+        when = humanize(call.run_at, now)
+        last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
+        if last == "rate_limited":
+            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try {when}", call.run_at))
+        elif last is not None:
+            reasons.append(WaitReason(
+                "backoff",
+                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try {when}",
+                call.run_at,
+            ))
+        else:
+            reasons.append(WaitReason("run_at", f"scheduled: run_at is {when}", call.run_at))
+    keys = parse_key_set(call.key_set)
+    states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
+    for key in keys:
+        verdict = limiter.check_key(key, _key_state(key, states), now, policies, for_start=False)
+        if not verdict.blocked:
+            continue
+        if verdict.reason == "paused":
+            state = states.get(key)
+            why = f" ({state.pause_reason})" if state and state.pause_reason else ""
+            reasons.append(WaitReason("paused", f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
+        elif verdict.reason.startswith("concurrency"):
+            reasons.append(WaitReason(
+                "concurrency",
+                f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
+                None,
+                key,
+            ))
+        else:
+            frees = humanize(verdict.until, now) if verdict.until else "when calls already dispatched start"
+            reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
+    if not reasons:
+        until = now
+    elif any(r.until is None for r in reasons):
+        until = None
+    else:
+        until = max(r.until for r in reasons if r.until is not None)
+    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now)
+
+
+def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:
+    """Return (minute, starts) for each of the last ``minutes`` minutes of a key, oldest first."""
+    from dispatcher.models import KeyStart
+
+    now = now or db_now()
+    end = now.replace(second=0, microsecond=0)
+    start = end - timedelta(minutes=minutes - 1)
+    counts = {
+        row["minute"]: row["n"]
+        for row in KeyStart.objects.filter(key=key, started_at__gte=start)
+        .annotate(minute=TruncMinute("started_at"))
+        .values("minute")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    return [(start + timedelta(minutes=i), counts.get(start + timedelta(minutes=i), 0)) for i in range(minutes)]
