@@ -120,6 +120,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # The embedded broker: messages are files in one folder that every process shares.
     _broker_dir = Path(os.environ.get("EMBEDDED_BROKER_DIR", VAR_DIR / "broker"))
     _broker_dir.mkdir(parents=True, exist_ok=True)
+    # kombu's filesystem transport with atomic writes (see project/broker.py).
+    CELERY_BROKER_TRANSPORT = "project.broker:Transport"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),

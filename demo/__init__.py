@@ -1,0 +1,1 @@
+"""The demo: a fake partner API and a one-command tour of the dispatcher (`make demo`)."""
