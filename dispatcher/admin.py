@@ -291,15 +291,24 @@ class RateLimitAdmin(admin.ModelAdmin):
         # Kept per thread: the admin instance is shared by every request.
         _page.statuses = {s.key: s for s in live.key_statuses()}
         try:
-            return super().changelist_view(request, extra_context)
+            response = super().changelist_view(request, extra_context)
+            if hasattr(response, "render"):
+                response.render()  # while the statuses are set: the columns read them
+            return response
         finally:
             _page.statuses = {}
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
-        from dispatcher.limiter import wake_dispensers
+        from django.db import transaction
 
-        super().save_model(request, obj, form, change)
-        wake_dispensers()
+        from dispatcher.limiter import lock_keys, wake_dispensers
+
+        with transaction.atomic():
+            if not is_pattern(obj.key):
+                # Like RateLimitManager.set_policy: serialise with starts of the key.
+                lock_keys([obj.key])
+            super().save_model(request, obj, form, change)
+            wake_dispensers()
 
     def _statuses(self, policy: RateLimit) -> list[live.KeyStatus]:
         statuses = getattr(_page, "statuses", {})

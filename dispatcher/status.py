@@ -192,11 +192,11 @@ def humanize_duration(value: timedelta | None) -> str:
 def _span(seconds: float) -> str:
     if seconds < 0.5:
         return "now"
-    if seconds < 60:
+    if round(seconds) < 60:
         return f"{round(seconds)} s"
-    if seconds < 3600:
+    if round(seconds / 60) < 60:
         return f"{round(seconds / 60)} min"
-    if seconds < 86400:
+    if round(seconds / 3600) < 24:
         hours, rest = divmod(round(seconds / 60), 60)
         return f"{hours} h {rest} min" if rest else f"{hours} h"
     days, rest = divmod(round(seconds / 3600), 24)

@@ -1,0 +1,168 @@
+"""Live key status and "why is this call waiting, until when", as the admin and the command show them."""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+
+from dispatcher import status as live
+from dispatcher.clock import db_now
+from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+
+pytestmark = pytest.mark.django_db
+
+
+def send(keys: list[str], **fields) -> CallQueue:
+    call = CallQueue.objects.send("noop", {}, keys=keys)
+    if fields:
+        CallQueue.objects.filter(id=call.id).update(**fields)
+        call.refresh_from_db()
+    return call
+
+
+def starts(key: str, *ages_seconds: float) -> None:
+    now = db_now()
+    KeyStart.objects.bulk_create([KeyStart(key=key, started_at=now - timedelta(seconds=a)) for a in ages_seconds])
+
+
+@pytest.fixture
+def busy_key():
+    """Key 'api': 3 per minute, concurrency 2; 2 starts in the window, 1 before; 1 reserved; 4 waiting."""
+    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
+    starts("api", 40, 10, 500)
+    KeyState.objects.update_or_create(key="api", defaults={"reserved": 1})
+    now = db_now()
+    calls = [send(["api"], created_at=now - timedelta(seconds=age)) for age in (300, 120, 60)]
+    calls.append(send(["api"], run_at=now + timedelta(hours=1)))
+    return calls
+
+
+def test_key_status_counts_window_flight_and_backlog(busy_key):
+    (status,) = live.key_statuses(["api"])
+    assert [(p.limit, p.period, p.used) for p in status.policies] == [(3, timedelta(minutes=1), 2)]
+    assert (status.reserved, status.running, status.in_flight, status.concurrency) == (1, 0, 1, 2)
+    assert (status.waiting, status.due) == (4, 3)
+    assert 295 <= status.oldest_wait.total_seconds() <= 330
+    # 2 started + 1 reserved fill the 3 per minute: blocked until the start 40 s ago leaves the window.
+    assert status.blocked and "3 per 60s used" in status.blocked_reason
+    assert 15 <= (status.next_free_at - status.now).total_seconds() <= 21
+    # No room now; 4 waiting need ceil(4 / 3) = 2 more windows of a minute.
+    assert status.drain_time == timedelta(minutes=2)
+
+
+def test_key_statuses_lists_keys_worth_showing_only(busy_key):
+    RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
+    send(["tenant:7"])
+    starts("quiet", 7200)
+    KeyState.objects.create(key="idle")
+    keys = [s.key for s in live.key_statuses()]
+    assert keys == ["api", "tenant:7"]
+    (tenant,) = [s for s in live.key_statuses() if s.key == "tenant:7"]
+    assert tenant.governed_by == "tenant:*" and tenant.room == 5 and tenant.next_free_at == tenant.now
+
+
+def test_pattern_pause_shows_on_matching_key():
+    RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
+    until = RateLimit.objects.pause_key("tenant:*", timedelta(minutes=5))
+    send(["tenant:1"])
+    (status,) = live.key_statuses(["tenant:1"])
+    assert status.paused_until == until and status.blocked
+    assert status.drain_time >= timedelta(minutes=4)
+
+
+def test_explains_a_future_run_at():
+    call = send(["free"], run_at=db_now() + timedelta(minutes=10))
+    explanation = live.explain_call(call)
+    assert [r.kind for r in explanation.reasons] == ["run_at"]
+    assert "scheduled" in explanation.summary() and "in 10 min" in explanation.summary()
+    assert explanation.until == call.run_at
+
+
+def test_explains_a_retry_backoff():
+    call = send(["free"], attempts=1, run_at=db_now() + timedelta(seconds=30), last_error="RuntimeError: boom")
+    Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="error", error="boom")
+    explanation = live.explain_call(call)
+    assert [r.kind for r in explanation.reasons] == ["backoff"]
+    assert "attempt 1 of 3" in explanation.summary() and "in 30 s" in explanation.summary()
+
+
+def test_explains_a_429_deferral_and_the_pause_it_set():
+    RateLimit.objects.pause_key("downstream", timedelta(seconds=90), reason="429 from call #1")
+    call = send(["downstream"], deferrals=1, run_at=db_now() + timedelta(seconds=90))
+    Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="rate_limited")
+    explanation = live.explain_call(call)
+    assert [r.kind for r in explanation.reasons] == ["deferred", "paused"]
+    assert "key downstream is paused (429 from call #1)" in explanation.summary()
+
+
+def test_explains_a_full_window_with_the_time_its_slot_frees():
+    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    starts("api", 50, 5)
+    call = send(["api"])
+    explanation = live.explain_call(call)
+    (reason,) = explanation.reasons
+    assert reason.kind == "rate" and reason.key == "api"
+    assert "2 per 60s used" in reason.text and "next slot frees in 10 s" in reason.text
+    assert 8 <= (explanation.until - explanation.now).total_seconds() <= 12
+
+
+def test_explains_a_concurrency_cap_without_an_end_time():
+    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    KeyState.objects.update_or_create(key="slow", defaults={"running": 1})
+    explanation = live.explain_call(send(["slow"]))
+    assert [r.kind for r in explanation.reasons] == ["concurrency"]
+    assert explanation.until is None and "concurrency 1/1" in explanation.summary()
+
+
+def test_a_due_call_with_room_is_explained_as_due_now():
+    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    explanation = live.explain_call(send(["api"]))
+    assert explanation.reasons == [] and explanation.summary().startswith("due now")
+
+
+def test_a_finished_call_is_not_waiting():
+    call = send(["api"], status="done")
+    assert live.explain_call(call).summary() == "not waiting"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0, "now"), (12, "in 12 s"), (-12, "12 s ago"), (180, "in 3 min"), (3900, "in 1 h 5 min"), (90000, "in 1 d 1 h")],
+)
+def test_humanize_writes_times_for_people(seconds, text):
+    now = db_now()
+    assert live.humanize(now + timedelta(seconds=seconds), now) == text
+
+
+def test_dispatcher_status_json_matches_the_known_state(busy_key):
+    out = StringIO()
+    call_command("dispatcher_status", "--json", stdout=out)
+    data = json.loads(out.getvalue())
+    (api,) = data["keys"]
+    assert api["key"] == "api" and api["governed_by"] == "api"
+    assert api["policies"] == [{"policy_key": "api", "limit": 3, "period_seconds": 60.0, "used": 2, "utilisation": 0.6667}]
+    assert (api["concurrency"], api["in_flight"], api["reserved"], api["running"]) == (2, 1, 1, 0)
+    assert (api["waiting"], api["due"], api["room"], api["drain_seconds"]) == (4, 3, 0, 120.0)
+    assert api["paused_until"] is None and api["blocked_reason"] == "3 per 60s used"
+    assert 295 <= api["oldest_wait_seconds"] <= 330
+    assert api["next_free_at"] > data["now"]
+
+
+def test_dispatcher_status_table_is_human_friendly(busy_key):
+    RateLimit.objects.pause_key("api", timedelta(minutes=3))
+    out = StringIO()
+    call_command("dispatcher_status", stdout=out)
+    header, row = out.getvalue().splitlines()
+    assert header.split()[:2] == ["KEY", "POLICY"]
+    assert row.startswith("api") and "3 per 1m" in row and "2/3" in row and "1/2" in row
+    assert "in 3 min" in row and "5 min" in row
+
+
+def test_dispatcher_status_rejects_a_bad_watch_interval():
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--watch"):
+        call_command("dispatcher_status", "--watch", "soon")
