@@ -277,10 +277,16 @@ class RateLimitManager(models.Manager):
             raise ValueError(f"period must be a duration greater than zero, not {period!r}")
         if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
             raise ValueError(f"concurrency must be a whole number of at least 1, not {concurrency!r}")
-        policy, _ = self.update_or_create(
-            key=key, period=period, defaults={"limit": limit, "concurrency": concurrency}
-        )
-        wake_dispensers()
+        from django.db import transaction
+
+        with transaction.atomic():
+            if not is_pattern(key):
+                # Serialise with starts of the key, which read the policies under this lock.
+                lock_keys([key])
+            policy, _ = self.update_or_create(
+                key=key, period=period, defaults={"limit": limit, "concurrency": concurrency}
+            )
+            wake_dispensers()
         return policy
 
     def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:

@@ -283,9 +283,10 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if head[1] != DISPATCHED or head[2] != dispatch_no:
             return Started("stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
         keys = parse_key_set(head[0])
-        policies = limiter.Policies.load()
         with transaction.atomic(using=self.db):
             states = limiter.lock_keys(keys)
+            # Read after the lock wait, so a policy edit committed meanwhile binds this start.
+            policies = limiter.Policies.load()
             call = self.select_for_update().filter(id=call_id).first()
             if call is None or call.status != DISPATCHED or call.dispatch_no != dispatch_no:
                 return Started("stale", reason="claimed by another delivery")

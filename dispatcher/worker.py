@@ -5,15 +5,38 @@ import json
 import logging
 import os
 import socket
+import time
 import traceback
+from collections.abc import Callable
 from typing import Any
+
+from django.db import InterfaceError, OperationalError, connection
 
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.registry import get_handler
 
 log = logging.getLogger("dispatcher")
 
+# About 6 s of retries in all: long enough to ride out a failover or a killed connection.
+RECORD_TRIES = 6
 
+
+def _record(finish: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
+    """Record an attempt's outcome, reconnecting if the database connection was lost.
+
+    The handler has already run: giving up here would leave the call running until the
+    rescue sweep runs it again. The finish is a guarded update, so a retry is safe.
+    """
+    for tries in range(1, RECORD_TRIES + 1):
+        try:
+            return finish(*args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            if tries == RECORD_TRIES:
+                raise
+            log.warning("record_retry finish=%s try=%s error=%r", finish.__name__, tries, exc)
+            connection.close()
+            time.sleep(min(0.2 * 2 ** (tries - 1), 2.0))
+    return False
 
 
 def _jsonable(value: Any) -> Any:
@@ -39,17 +62,17 @@ def execute(call_id: int, dispatch_no: int) -> str:
         fn = get_handler(call.method).fn
         result = fn(**call.params)
     except RateLimited as exc:
-        CallQueue.objects.finish_rate_limited(call, attempt, exc.retry_after, exc.key, f"RateLimited: {exc}")
+        _record(CallQueue.objects.finish_rate_limited, call, attempt, exc.retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
         return "rate_limited"
     except (PermanentError, UnknownMethod) as exc:
-        CallQueue.objects.finish_error(call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=True)
+        _record(CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=True)
         log.info("run_failed call=%s error=%r", call.id, exc)
         return "failed"
     except Exception as exc:
-        CallQueue.objects.finish_error(call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=False)
+        _record(CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=False)
         log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
         return "error"
-    CallQueue.objects.finish_done(call, attempt, _jsonable(result))
+    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result))
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
     return "done"
