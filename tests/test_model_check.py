@@ -1,0 +1,222 @@
+"""A model check of the limiter: random sends, dispenses, starts, finishes, 429s, pauses and
+policy edits on a controlled clock, with the invariants checked after every step."""
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from dispatcher import limiter
+from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+
+KEY_SETS = [["a"], ["b"], ["a", "b"], ["p:1"], ["p:2", "a"]]
+KEYS = sorted({k for ks in KEY_SETS for k in ks})
+PERIODS = [1, 2, 5]
+
+
+class Clock:
+    """The one clock every module reads, moved only by the model."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2030, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch, settings) -> Clock:
+    import dispatcher.clock
+    import dispatcher.dispenser
+    import dispatcher.queries
+
+    settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
+    settings.DISPATCHER_RUN_TIMEOUT = "10s"
+    settings.DISPATCHER_RETRY_BASE = "500ms"
+    settings.DISPATCHER_RETRY_JITTER = 0
+    settings.DISPATCHER_MAX_DEFERRALS = ""
+    fake = Clock()
+    for module in (dispatcher.clock, dispatcher.queries, dispatcher.dispenser):
+        monkeypatch.setattr(module, "db_now", fake)
+    return fake
+
+
+def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
+    class LimiterModel(RuleBasedStateMachine):
+        """The model: what was sent, which messages exist, which handlers run, every start."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            for model in (Attempt, CallQueue, KeyStart, KeyState, RateLimit):
+                model.objects.all().delete()
+            clock.now = datetime(2030, 1, 1, tzinfo=UTC)
+            self.sent: set[int] = set()
+            self.messages: list[tuple[int, int]] = []
+            self.running: dict[int, tuple[CallQueue, Attempt]] = {}
+            self.starts: dict[str, list[datetime]] = {k: [] for k in KEYS}
+            self.finished: dict[int, str] = {}
+
+        @initialize()
+        def some_policies(self) -> None:
+            RateLimit.objects.set_policy("a", 3, timedelta(seconds=2), concurrency=2)
+            RateLimit.objects.set_policy("p:*", 2, timedelta(seconds=1))
+
+        # --- actions -------------------------------------------------------------------
+
+        @rule(which=st.integers(0, len(KEY_SETS) - 1), n=st.integers(1, 4), priority=st.integers(-1, 1))
+        def send(self, which: int, n: int, priority: int) -> None:
+            for _ in range(n):
+                call = CallQueue.objects.send("noop", {}, keys=KEY_SETS[which], priority=priority, max_attempts=2)
+                self.sent.add(call.id)
+
+        @rule(ms=st.sampled_from([0, 1, 100, 400, 999, 1000, 1001, 2500, 6000, 11000]))
+        def tick(self, ms: int) -> None:
+            clock.now += timedelta(milliseconds=ms)
+
+        @rule(batch=st.integers(1, 6))
+        def dispense(self, batch: int) -> None:
+            policies = limiter.Policies.load()
+            for text in CallQueue.objects.waiting_key_sets():
+                for claimed in CallQueue.objects.claim(text, batch, policies).calls:
+                    # The publish, recorded instead of sent to a broker.
+                    self.messages.append((claimed.id, claimed.dispatch_no))
+
+        @precondition(lambda self: self.messages)
+        @rule(index=st.integers(0, 50), duplicate=st.booleans())
+        def deliver(self, index: int, duplicate: bool) -> None:
+            message = self.messages[index % len(self.messages)]
+            if not duplicate:
+                self.messages.remove(message)
+            call_id, dispatch_no = message
+            started = CallQueue.objects.start(call_id, dispatch_no, worker="model")
+            if started.state != "started":
+                return
+            assert call_id not in self.running, f"call {call_id} started while its handler still runs"
+            call = started.call
+            assert call is not None and started.attempt is not None
+            self.running[call_id] = (call, started.attempt)
+            now = clock.now
+            policies = limiter.Policies.load()
+            for key in call.keys:
+                self.starts[key].append(now)
+                for policy in policies.for_key(key):
+                    in_window = sum(1 for t in self.starts[key] if now - policy.period <= t <= now)
+                    assert in_window <= policy.limit, f"{key}: {in_window} starts in {policy.period}, limit {policy.limit}"
+                caps = [p.concurrency for p in policies.for_key(key) if p.concurrency]
+                if caps:
+                    busy = sum(1 for c, _ in self.running.values() if key in c.keys)
+                    assert busy <= min(caps), f"{key}: {busy} running, concurrency {min(caps)}"
+
+        @precondition(lambda self: self.messages)
+        @rule(index=st.integers(0, 50))
+        def lose_message(self, index: int) -> None:
+            self.messages.pop(index % len(self.messages))
+
+        @precondition(lambda self: self.running)
+        @rule(index=st.integers(0, 50), outcome=st.sampled_from(["done", "error", "permanent", "429", "429-key"]))
+        def finish(self, index: int, outcome: str) -> None:
+            call_id = sorted(self.running)[index % len(self.running)]
+            call, attempt = self.running.pop(call_id)
+            if outcome == "done":
+                CallQueue.objects.finish_done(call, attempt, {"ok": True})
+            elif outcome in ("error", "permanent"):
+                CallQueue.objects.finish_error(call, attempt, "boom", "", permanent=outcome == "permanent")
+            else:
+                key = call.keys[0] if outcome == "429-key" else None
+                CallQueue.objects.finish_rate_limited(call, attempt, 1.5, key, "429")
+
+        @rule()
+        def rescue(self) -> None:
+            report = CallQueue.objects.rescue()
+            for call_id in report.ids:
+                # Its handler is deemed lost; a late finish must not count.
+                self.running.pop(call_id, None)
+
+        @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]), limit=st.integers(1, 4),
+              period=st.sampled_from(PERIODS), concurrency=st.sampled_from([None, 1, 2, 3]))
+        def set_policy(self, key: str, limit: int, period: int, concurrency: int | None) -> None:
+            RateLimit.objects.set_policy(key, limit, timedelta(seconds=period), concurrency)
+
+        @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]))
+        def delete_policy(self, key: str) -> None:
+            RateLimit.objects.filter(key=key).delete()
+
+        @rule(key=st.sampled_from(["a", "b", "p:*", "p:2"]), seconds=st.sampled_from([1, 3]))
+        def pause(self, key: str, seconds: int) -> None:
+            RateLimit.objects.pause_key(key, timedelta(seconds=seconds))
+
+        @rule(key=st.sampled_from(["a", "b", "p:*"]))
+        def resume(self, key: str) -> None:
+            RateLimit.objects.resume_key(key)
+
+        @rule(index=st.integers(0, 50))
+        def cancel(self, index: int) -> None:
+            waiting = list(CallQueue.objects.pending().order_by("id").values_list("id", flat=True))
+            if waiting:
+                CallQueue.objects.cancel([waiting[index % len(waiting)]])
+
+        # --- invariants ------------------------------------------------------------------
+
+        @invariant()
+        def every_call_is_accounted_for(self) -> None:
+            rows = dict(CallQueue.objects.values_list("id", "status"))
+            assert set(rows) == self.sent
+            for call_id, status in rows.items():
+                before = self.finished.get(call_id)
+                assert before is None or before == status, f"call {call_id} left {before} for {status}"
+                if status in CallQueue.FINISHED:
+                    self.finished[call_id] = status
+                if call_id in self.running:
+                    assert status == "running"
+
+        @invariant()
+        def key_state_counters_equal_the_truth(self) -> None:
+            truth = {k: [0, 0] for k in KEYS}
+            for keys, status in CallQueue.objects.in_flight().values_list("key_set", "status"):
+                for key in json.loads(keys):
+                    truth[key][0 if status == "dispatched" else 1] += 1
+            for state in KeyState.objects.exclude(key__endswith="*"):
+                assert [state.reserved, state.running] == truth.get(state.key, [0, 0]), state.key
+
+        @invariant()
+        def attempts_are_honest(self) -> None:
+            counted = {}
+            for call_id, outcome in Attempt.objects.values_list("call_id", "outcome"):
+                if outcome != "rate_limited":
+                    counted[call_id] = counted.get(call_id, 0) + 1
+            for call in CallQueue.objects.all():
+                assert call.attempts == counted.get(call.id, 0), f"call {call.id}"
+                assert call.attempts <= call.max_attempts
+                done = call.attempt_set.filter(outcome="done").count()
+                assert done == (1 if call.status == "done" else 0)
+
+        @invariant()
+        def no_window_holds_more_starts_than_the_log_allows(self) -> None:
+            # The limiter's own log agrees with the starts the model saw.
+            for key in KEYS:
+                logged = sorted(KeyStart.objects.filter(key=key).values_list("started_at", flat=True))
+                assert logged == sorted(self.starts[key]), key
+
+    return LimiterModel
+
+
+@pytest.mark.django_db
+def test_the_limiter_holds_its_invariants_under_random_operations(clock) -> None:
+    run_state_machine_as_test(
+        make_machine(clock),
+        settings=settings(
+            max_examples=30, stateful_step_count=35, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
