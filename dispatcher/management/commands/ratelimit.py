@@ -16,8 +16,8 @@ def _positive_int(name: str):
             value = int(text)
         except ValueError:
             raise CommandError(f"{name} must be a whole number, not {text!r}") from None
-        if value < 1:
-            raise CommandError(f"{name} must be at least 1, not {value}")
+        if not 1 <= value <= 2**31 - 1:
+            raise CommandError(f"{name} must be between 1 and {2**31 - 1}, not {value}")
         return value
 
     return parse
