@@ -34,3 +34,24 @@ clean:
 .PHONY: browser-deps
 browser-deps:
 	@if [ ! -x /usr/bin/chromium ]; then apt-get update && apt-get install -y chromium; fi
+
+# Benchmarks against PostgreSQL, Redis and RabbitMQ (see docs/performance.md): `make bench` is
+# the full run whose table goes to docs/performance.md; `make bench-quick` is the CI size.
+BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/bench_dispatcher
+BENCH_REDIS_URL ?= redis://127.0.0.1:6379/12
+
+.PHONY: bench-quick
+
+bench: venv
+	BENCH_DATABASE_URL=$(BENCH_DATABASE_URL) BENCH_REDIS_URL=$(BENCH_REDIS_URL) $(BIN)/python -m bench --full
+
+bench-quick: venv
+	BENCH_DATABASE_URL=$(BENCH_DATABASE_URL) BENCH_REDIS_URL=$(BENCH_REDIS_URL) $(BIN)/python -m bench --quick
+
+# The demo on the embedded default, in a folder of its own (see demo/run_demo.py).
+demo: venv
+	$(BIN)/python -m demo.run_demo
+
+# Web (http://127.0.0.1:8000/admin/), worker, beat and dispenser together; Ctrl-C stops all.
+run: venv
+	$(BIN)/python -m demo.run_stack

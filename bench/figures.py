@@ -1,0 +1,422 @@
+"""The benchmarks: each returns figures for the table and raises CheckFailed when calls go wrong."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from bench.support import (
+    Broker,
+    Figure,
+    backlog,
+    check,
+    count_status,
+    percentile,
+    reset_tables,
+    rss_mb,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Sizes:
+    dispatch_calls: int
+    history_small: int
+    history_large: int
+    history_passes: int
+    latency_calls: int
+    utilisation_seconds: float
+    completed_calls: int
+    send_many_calls: int
+    send_calls: int
+    memory_calls: int
+
+
+QUICK = Sizes(2_000, 1_000, 100_000, 5, 60, 4.0, 1_000, 5_000, 300, 10_000)
+FULL = Sizes(20_000, 1_000, 1_000_000, 9, 500, 10.0, 10_000, 20_000, 2_000, 100_000)
+
+
+class Context:
+    """What the benchmarks share: sizes, broker URLs, a queue name, a place for process logs."""
+
+    def __init__(self, sizes: Sizes, redis_url: str, amqp_url: str | None, log_dir: Path) -> None:
+        from project.celery import app
+
+        self.sizes = sizes
+        self.redis_url = redis_url
+        self.amqp_url = amqp_url
+        self.queue = os.environ["CELERY_TASK_DEFAULT_QUEUE"]
+        self.broker = Broker(app, self.queue)
+        self.log_dir = log_dir
+
+    def processes(self, **env: str):
+        from tests.procs import Processes
+
+        return Processes(env, self.log_dir)
+
+
+def _rate(n: float, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("inf")
+
+
+# --- dispatch throughput ------------------------------------------------------------------
+
+def dispatch_throughput(ctx: Context) -> list[Figure]:
+    """A backlog over 10 keys whose limits do not bind, one dispenser process, no consumers."""
+    from dispatcher.models import RateLimit
+
+    figures = []
+    brokers = [("Redis", ctx.redis_url)] + ([("RabbitMQ", ctx.amqp_url)] if ctx.amqp_url else [])
+    for label, url in brokers:
+        reset_tables()
+        RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+        n = ctx.sizes.dispatch_calls
+        backlog(n, keys=[f"bench:{i}" for i in range(10)])
+        queue = f"bench-{uuid.uuid4().hex[:8]}"
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.dispatch_child", url, str(n)],
+            cwd=ROOT, env={**os.environ, "CELERY_TASK_DEFAULT_QUEUE": queue}, capture_output=True, text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            if label == "RabbitMQ" and "Connection refused" in done.stderr:
+                figures.append(Figure(f"dispatch throughput ({label})", "skipped: no RabbitMQ", "", "", None))
+                continue
+            raise RuntimeError(f"dispatch child failed:\n{done.stderr[-3000:]}")
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        check(out["moved"] == n and out["dispatched"] == n, f"{label}: dispenser moved {out['moved']} of {n}")
+        check(out["in_broker"] == n, f"{label}: {out['in_broker']} of {n} messages reached the broker")
+        rate = _rate(n, out["seconds"])
+        base = _rate(n, out["baseline_seconds"])
+        out.update(rate=rate, baseline_rate=base, ratio=rate / base)
+        figures.append(
+            Figure(
+                f"dispatch throughput ({label}, {n:,} calls)",
+                f"{rate:,.0f}/s ({rate / base:.1f}x)",
+                ">= 5,000/s and >= 4x baseline",
+                f"apply_async loop {base:,.0f}/s",
+                rate >= 5000 and rate >= 4 * base,
+                out,
+            )
+        )
+    return figures
+
+
+# --- dispense cost vs history ----------------------------------------------------------------
+
+HISTORY_SQL = """
+INSERT INTO dispatcher_call (method, params, keys, key_set, priority, queue, status, run_at, attempts,
+    max_attempts, deferrals, dispatch_no, created_at, dispatched_at, started_at, finished_at, result,
+    last_error, last_traceback)
+SELECT 'bench.noop', '{}'::jsonb, ('["hist:' || (g %% 10) || '"]')::jsonb, '["hist:' || (g %% 10) || '"]', 0, '',
+    CASE WHEN g %% 50 = 0 THEN 'failed' ELSE 'done' END, t, 1, 3, 0, 1, t, t, t, t, 'null'::jsonb, '', ''
+FROM generate_series(1, %s) AS g, LATERAL (SELECT now() - interval '1 day' - g * interval '1 ms' AS t) AS ts
+"""
+ATTEMPT_SQL = """
+INSERT INTO dispatcher_attempt (call_id, number, started_at, finished_at, outcome, error, worker)
+SELECT id, 1, started_at, finished_at, CASE status WHEN 'done' THEN 'done' ELSE 'failed' END, '', 'bench'
+FROM dispatcher_call WHERE status IN ('done', 'failed')
+"""
+
+
+def _pass_times(n_passes: int, moved_per_pass: int, keys: list[str]) -> list[float]:
+    from django.db import connection
+
+    from dispatcher.dispenser import Dispenser
+    from dispatcher.models import CallQueue, KeyState
+
+    dispenser = Dispenser(batch=moved_per_pass)
+    times = []
+    for _ in range(n_passes):
+        backlog(moved_per_pass, keys=keys)
+        started = time.perf_counter()
+        report = dispenser.run_once()
+        times.append(time.perf_counter() - started)
+        check(report.moved == moved_per_pass and report.published == moved_per_pass,
+              f"a pass moved {report.moved} and published {report.published} of {moved_per_pass}")
+        # The moved calls join the history as finished ones.
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE dispatcher_call SET status = 'done', finished_at = now() WHERE status = 'dispatched'"
+            )
+        KeyState.objects.update(reserved=0)
+    check(CallQueue.objects.filter(status="pending").count() == 0, "calls left waiting after the passes")
+    return times
+
+
+def dispense_cost(ctx: Context) -> list[Figure]:
+    """A pass moving 100 calls with a small history, then with a large one (calls + attempts)."""
+    from django.db import connection
+
+    from dispatcher.models import RateLimit
+
+    keys = [f"hist:{i}" for i in range(10)]
+    medians = {}
+    for size in (ctx.sizes.history_small, ctx.sizes.history_large):
+        reset_tables()
+        RateLimit.objects.set_policy("hist:*", 1_000_000, timedelta(seconds=1))
+        with connection.cursor() as cursor:
+            cursor.execute(HISTORY_SQL, [size])
+            cursor.execute(ATTEMPT_SQL)
+            cursor.execute("ANALYZE dispatcher_call; ANALYZE dispatcher_attempt")
+        _pass_times(2, 100, keys)  # warm caches and connections
+        times = _pass_times(ctx.sizes.history_passes, 100, keys)
+        medians[size] = statistics.median(times)
+        ctx.broker.purge()
+    small, large = medians[ctx.sizes.history_small], medians[ctx.sizes.history_large]
+    ratio = large / small
+    return [
+        Figure(
+            f"dispense pass of 100 calls, {ctx.sizes.history_large:,} finished in history",
+            f"{large * 1000:.1f} ms (ratio {ratio:.2f})",
+            "ratio <= 1.5; <= 20 ms",
+            f"{small * 1000:.1f} ms with {ctx.sizes.history_small:,}",
+            ratio <= 1.5 and large <= 0.020,
+            {"median_seconds": {str(k): v for k, v in medians.items()}, "ratio": ratio},
+        )
+    ]
+
+
+# --- wake-up latency --------------------------------------------------------------------------
+
+def _wait_done(n: int, timeout: float) -> bool:
+    from tests.procs import wait_until
+
+    return wait_until(lambda: count_status("done") >= n, timeout, interval=0.1)
+
+
+def wake_latency(ctx: Context) -> list[Figure]:
+    """Calls sent one by one under the limit; send -> handler start with a long-running dispenser."""
+    from dispatcher.models import CallQueue, RateLimit
+
+    reset_tables()
+    RateLimit.objects.set_policy("lat", 1000, timedelta(seconds=1))
+    procs = ctx.processes(DISPATCHER_POLL_INTERVAL="5s")
+    try:
+        procs.dispenser()
+        procs.worker(ctx.queue, concurrency=2)
+        CallQueue.objects.send("bench.stamp", keys=["lat"])
+        check(_wait_done(1, 60), "the warm-up call did not finish:\n" + procs.logs())
+        sent: dict[int, float] = {}
+        for _ in range(ctx.sizes.latency_calls):
+            before = time.time()
+            call = CallQueue.objects.send("bench.stamp", keys=["lat"])
+            sent[call.id] = before
+            time.sleep(0.02)
+        total = ctx.sizes.latency_calls + 1
+        check(_wait_done(total, 60), f"{total - count_status('done')} calls never finished")
+    finally:
+        procs.stop_all()
+    results = dict(CallQueue.objects.filter(id__in=list(sent)).values_list("id", "result"))
+    latencies = [(results[i]["t"] - t) * 1000 for i, t in sent.items()]
+    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    return [
+        Figure(
+            f"wake-up latency ({len(latencies)} calls, send -> handler start)",
+            f"p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+            "p50 <= 20 ms, p99 <= 200 ms",
+            "poll only: half the 5 s interval on average",
+            p50 <= 20 and p99 <= 200,
+            {"p50_ms": p50, "p90_ms": percentile(latencies, 90), "p99_ms": p99, "max_ms": max(latencies)},
+        )
+    ]
+
+
+# --- utilisation ----------------------------------------------------------------------------
+
+def utilisation(ctx: Context) -> list[Figure]:
+    """Policy 50 per second, a backlog, 4 dispensers, 4 worker processes."""
+    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from tests.fakeapi import max_in_window
+
+    limit, seconds = 50, ctx.sizes.utilisation_seconds
+    reset_tables()
+    RateLimit.objects.set_policy("util", limit, timedelta(seconds=1))
+    backlog(int(limit * (seconds + 15)), keys=["util"])
+    procs = ctx.processes()
+    try:
+        for _ in range(2):
+            procs.worker(ctx.queue, concurrency=2)
+        for _ in range(4):
+            procs.dispenser()
+        from tests.procs import wait_until
+
+        check(wait_until(lambda: Attempt.objects.exists(), 60), "no call started:\n" + procs.logs())
+        first = Attempt.objects.order_by("started_at").values_list("started_at", flat=True).first()
+        # Measure a full run of `seconds` from the first start, plus a margin to see the window close.
+        time.sleep(seconds + 1.5)
+        CallQueue.objects.cancel(CallQueue.objects.pending().values_list("id", flat=True))
+        wait_until(lambda: not CallQueue.objects.in_flight().exists(), 30)
+    finally:
+        procs.stop_all()
+    starts = [t.timestamp() for t in Attempt.objects.values_list("started_at", flat=True)]
+    in_run = [t for t in starts if first.timestamp() <= t < first.timestamp() + seconds]
+    worst = max_in_window(starts, 1.0)
+    stuck = CallQueue.objects.in_flight().count()
+    check(worst <= limit, f"{worst} starts in one 1 s window, limit {limit}")
+    check(stuck == 0, f"{stuck} calls still in flight after the run")
+    used = len(in_run) / (limit * seconds)
+    return [
+        Figure(
+            f"utilisation (50/s, 4 dispensers, 4 worker processes, {seconds:g} s)",
+            f"{used:.1%}, worst window {worst}/{limit}",
+            ">= 95%, 0 windows over",
+            f"limit {limit * seconds:.0f} starts",
+            used >= 0.95 and worst <= limit,
+            {"starts_in_run": len(in_run), "worst_window": worst, "utilisation": used},
+        )
+    ]
+
+
+# --- completed calls --------------------------------------------------------------------------
+
+def completed_calls(ctx: Context) -> list[Figure]:
+    """A backlog of no-op calls, limits not binding, one dispenser, 2 worker processes."""
+    import redis
+    from django.db.models import Max, Min
+
+    from dispatcher.models import Attempt, CallQueue
+
+    n = ctx.sizes.completed_calls
+    reset_tables()
+    procs = ctx.processes()
+    client = redis.Redis.from_url(ctx.redis_url)
+    counter = f"bench-count-{uuid.uuid4().hex[:8]}"
+    try:
+        procs.worker(ctx.queue, concurrency=2)
+        from bench.tasks import count
+
+        count.apply_async((counter,), queue=ctx.queue)
+        from tests.procs import wait_until
+
+        check(wait_until(lambda: int(client.get(counter) or 0) >= 1, 60), "worker never started:\n" + procs.logs())
+        # Baseline: the same workers running a plain Celery task that does one Redis write.
+        started = time.perf_counter()
+        for _ in range(n):
+            count.apply_async((counter,), queue=ctx.queue)
+        wait_until(lambda: int(client.get(counter) or 0) >= n + 1, 300, interval=0.05)
+        baseline = _rate(n, time.perf_counter() - started)
+
+        backlog(n)
+        started = time.perf_counter()
+        procs.dispenser()
+        finished = _wait_done(n, 600)
+        wall = time.perf_counter() - started
+    finally:
+        procs.stop_all()
+        client.delete(counter)
+        client.close()
+    check(finished, f"only {count_status('done')} of {n} calls done")
+    span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
+    seconds = (span["last"] - span["first"]).total_seconds()
+    rate = _rate(n, seconds)
+    check(CallQueue.objects.filter(status="done").count() == n, "calls lost")
+    return [
+        Figure(
+            f"completed calls ({n:,} no-op, 2 worker processes)",
+            f"{rate:,.0f}/s",
+            ">= 1,000/s",
+            f"plain Celery task {baseline:,.0f}/s",
+            rate >= 1000,
+            {"rate": rate, "first_start_to_last_finish": seconds, "wall_including_startup": wall, "baseline": baseline},
+        )
+    ]
+
+
+# --- enqueue ------------------------------------------------------------------------------------
+
+def enqueue(ctx: Context) -> list[Figure]:
+    """send_many of a batch in one transaction; send one by one in autocommit."""
+    from dispatcher.models import CallQueue
+
+    reset_tables()
+    n = ctx.sizes.send_many_calls
+    specs = [{"method": "bench.noop", "params": {"i": i}, "keys": [f"enq:{i % 10}"]} for i in range(n)]
+    started = time.perf_counter()
+    CallQueue.objects.send_many(specs)
+    many = _rate(n, time.perf_counter() - started)
+    rows = [CallQueue(method="bench.noop", params={"i": i}, keys=[f"enq:{i % 10}"], key_set=f'["enq:{i % 10}"]')
+            for i in range(n)]
+    started = time.perf_counter()
+    CallQueue.objects.bulk_create(rows)
+    bulk = _rate(n, time.perf_counter() - started)
+    check(CallQueue.objects.count() == 2 * n, "send_many lost calls")
+
+    reset_tables()
+    m = ctx.sizes.send_calls
+    started = time.perf_counter()
+    for i in range(m):
+        CallQueue.objects.send("bench.noop", {"i": i}, keys=[f"enq:{i % 10}"])
+    one = _rate(m, time.perf_counter() - started)
+    started = time.perf_counter()
+    for i in range(m):
+        CallQueue.objects.create(method="bench.noop", params={"i": i}, keys=[f"enq:{i % 10}"], key_set=f'["enq:{i % 10}"]')
+    create = _rate(m, time.perf_counter() - started)
+    check(CallQueue.objects.count() == 2 * m, "send lost calls")
+    return [
+        Figure(f"enqueue send_many ({n:,})", f"{many:,.0f}/s", ">= 20,000/s", f"bulk_create {bulk:,.0f}/s",
+               many >= 20_000, {"rate": many, "baseline": bulk}),
+        Figure(f"enqueue send one by one ({m:,})", f"{one:,.0f}/s", ">= 1,500/s", f"objects.create {create:,.0f}/s",
+               one >= 1_500, {"rate": one, "baseline": create}),
+    ]
+
+
+# --- dispenser memory ---------------------------------------------------------------------------
+
+def dispenser_memory(ctx: Context) -> list[Figure]:
+    """RSS of a long-running dispenser while it drains a backlog into the broker (no consumers)."""
+
+    n = ctx.sizes.memory_calls
+    reset_tables()
+    procs = ctx.processes()
+    samples: list[tuple[int, float]] = []
+    try:
+        proc = procs.dispenser()
+        time.sleep(3)
+        idle = rss_mb(proc.pid)
+        backlog(n, keys=[f"mem:{i}" for i in range(10)])
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            dispatched = count_status("dispatched")
+            samples.append((dispatched, rss_mb(proc.pid)))
+            if dispatched >= n or proc.poll() is not None:
+                break
+            time.sleep(0.25)
+        in_broker = ctx.broker.wait_length(n)
+    finally:
+        procs.stop_all()
+        ctx.broker.purge()
+    check(samples and samples[-1][0] == n, f"dispenser moved {samples[-1][0] if samples else 0} of {n}")
+    check(in_broker == n, f"{in_broker} of {n} messages reached the broker")
+    peak = max(rss for _, rss in samples)
+    tenth = next((rss for moved, rss in samples if moved >= n // 10), samples[0][1])
+    growth = samples[-1][1] - tenth
+    return [
+        Figure(
+            f"dispenser memory draining {n:,}",
+            f"peak {peak:.0f} MB, +{growth:.1f} MB from 10% to 100%",
+            "flat, <= 100 MB RSS",
+            f"idle {idle:.0f} MB",
+            peak <= 100 and growth <= 10,
+            {"idle_mb": idle, "peak_mb": peak, "growth_mb": growth, "samples": samples[:: max(1, len(samples) // 50)]},
+        )
+    ]
+
+
+ALL = {
+    "dispatch": dispatch_throughput,
+    "history": dispense_cost,
+    "latency": wake_latency,
+    "utilisation": utilisation,
+    "completed": completed_calls,
+    "enqueue": enqueue,
+    "memory": dispenser_memory,
+}

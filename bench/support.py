@@ -1,0 +1,161 @@
+"""What every benchmark needs: the database, broker queues, backlogs, processes and results."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+TABLES = "dispatcher_attempt, dispatcher_call, dispatcher_keystate, dispatcher_keystart, dispatcher_ratelimit"
+
+
+@dataclass
+class Figure:
+    """One row of the table: a measured figure next to its target and a baseline of the same run."""
+
+    name: str
+    measured: str
+    target: str
+    baseline: str
+    passed: bool | None
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckFailed(AssertionError):
+    """A correctness check inside a benchmark failed: calls lost, a window over its limit."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def recreate_database(url: str) -> None:
+    """Drop and create the benchmark's own database (its name must start with ``bench``)."""
+    import psycopg
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    if not name.startswith("bench"):
+        raise SystemExit(f"refusing to recreate database {name!r}: a benchmark database name starts with 'bench'")
+    with psycopg.connect(_admin_url(url), autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def drop_database(url: str) -> None:
+    import psycopg
+
+    name = urlsplit(url).path.lstrip("/")
+    if name.startswith("bench"):
+        with psycopg.connect(_admin_url(url), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _admin_url(url: str) -> str:
+    parts = urlsplit(url)
+    scheme = "postgresql" if parts.scheme.startswith("postgres") else parts.scheme
+    return parts._replace(scheme=scheme, path="/postgres").geturl()
+
+
+def reset_tables() -> None:
+    """Empty the dispatcher's tables between benchmarks."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {TABLES} RESTART IDENTITY")
+
+
+def backlog(n: int, *, method: str = "bench.noop", keys: list[str] | None = None, chunk: int = 5000) -> None:
+    """Store ``n`` waiting calls with send_many, spread round-robin over ``keys``."""
+    from dispatcher.models import CallQueue
+
+    for start in range(0, n, chunk):
+        specs = []
+        for i in range(start, min(n, start + chunk)):
+            spec: dict[str, Any] = {"method": method}
+            if keys:
+                spec["keys"] = [keys[i % len(keys)]]
+            specs.append(spec)
+        CallQueue.objects.send_many(specs)
+
+
+def count_status(status: str) -> int:
+    from dispatcher.models import CallQueue
+
+    return CallQueue.objects.filter(status=status).count()
+
+
+class Broker:
+    """A queue on the benchmark's broker: its length, purge and deletion."""
+
+    def __init__(self, app, queue: str) -> None:
+        self.app = app
+        self.queue = queue
+
+    def length(self) -> int:
+        with self.app.connection_for_write() as conn:
+            try:
+                return conn.default_channel.queue_declare(queue=self.queue, passive=True).message_count
+            except Exception:
+                return 0
+
+    def wait_length(self, expected: int, timeout: float = 15) -> int:
+        """Wait (bounded) for the broker to show ``expected`` messages; return what it shows."""
+        deadline = time.monotonic() + timeout
+        seen = self.length()
+        while seen < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+            seen = self.length()
+        return seen
+
+    def purge(self) -> None:
+        with self.app.connection_for_write() as conn:
+            try:
+                conn.default_channel.queue_purge(self.queue)
+            except Exception:
+                pass
+
+    def delete(self) -> None:
+        with self.app.connection_for_write() as conn:
+            try:
+                conn.default_channel.queue_delete(self.queue)
+            except Exception:
+                pass
+
+
+def rss_mb(pid: int) -> float:
+    """Return a process's resident set size in MB (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def machine() -> dict[str, Any]:
+    """Describe the machine the figures were taken on."""
+    import platform
+
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version(), "system": platform.platform()}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as meminfo:
+            info["memory_gb"] = round(int(meminfo.readline().split()[1]) / 1024 / 1024, 1)
+        info["load_before"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
