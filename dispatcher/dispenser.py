@@ -1,10 +1,12 @@
 """The dispenser: claims due calls under the rate policies and publishes them to Celery."""
 from __future__ import annotations
 
+import json
 import logging
 import select
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -93,17 +95,11 @@ class Dispenser:
     def _publish(self, calls: list[Claimed], report: PassReport) -> None:
         """Publish claimed calls; put back at once whatever the broker did not take."""
         from dispatcher.models import CallQueue
-        from dispatcher.tasks import run_call
 
         published = 0
         try:
-            # One producer (and broker connection) held for the whole batch.
-            with run_call.app.producer_or_acquire() as producer:
-                for call in calls:
-                    run_call.apply_async(
-                        (call.id, call.dispatch_no), queue=call.queue or None, producer=producer, retry=False
-                    )
-                    published += 1
+            publish_run_calls(calls)
+            published = len(calls)
         except Exception as exc:  # the broker is down or refused: fail closed
             log.error("publish_failed error=%r published=%s put_back=%s", exc, published, len(calls) - published)
         report.published += published
@@ -196,3 +192,41 @@ class Waiter:
 
     def close(self) -> None:
         self.reset()
+
+
+def publish_run_calls(calls: list[Claimed]) -> None:
+    """Publish one ``dispatcher.run_call`` message per call, as ``apply_async`` would, in one write.
+
+    The Celery message is built once per batch and copied per call (``apply_async`` rebuilds
+    it and re-reads the app's configuration for every message); one producer and broker
+    connection serve the batch, and ``producer.batch()`` pipelines the writes on Redis. Either
+    the whole batch is written or this raises: a caller puts every call of the batch back, and
+    any message that did reach the broker is stale (put back and the next claim change what it
+    expects) and does nothing. Celery's task_publish signals are not sent for these messages.
+    """
+    from dispatcher.tasks import run_call
+
+    if not calls:
+        return
+    app = run_call.app
+    amqp = app.amqp
+    template = amqp.as_task_v2("0", run_call.name, (0, 0), {}, ignore_result=True)
+    routes: dict[str, tuple[str, int]] = {}
+    with app.producer_or_acquire() as producer, producer.batch(max_size=max(1, len(calls))):
+        for call in calls:
+            route = routes.get(call.queue)
+            if route is None:
+                options = amqp.router.route({"queue": call.queue} if call.queue else {}, run_call.name, (0, 0), {})
+                queue = options["queue"]
+                producer.maybe_declare(queue)
+                mode = getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode
+                route = routes[call.queue] = (queue.name, mode)
+            task_id = str(uuid.uuid4())
+            args = [call.id, call.dispatch_no]
+            headers = {**template.headers, "id": task_id, "root_id": task_id, "argsrepr": repr(tuple(args))}
+            producer.publish(
+                json.dumps([args, {}, template.body[2]]),
+                exchange="", routing_key=route[0], delivery_mode=route[1], headers=headers,
+                content_type="application/json", content_encoding="utf-8", retry=False,
+                correlation_id=task_id, reply_to="",
+            )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db import connection, models, transaction
+from django.db import connection, connections, models, transaction
 from django.db.models import F, Q
 
 from dispatcher import limiter
@@ -234,19 +234,45 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             wanted = min(limit, verdict.room)
             if wanted <= 0:
                 return ClaimResult([], verdict)
-            rows = list(
-                self.filter(status=PENDING, key_set=key_set_text, run_at__lte=now)
-                .order_by("-priority", "id")
-                .select_for_update(skip_locked=True)
-                .values_list("id", "dispatch_no", "queue")[:wanted]
-            )
-            if rows:
-                self.filter(id__in=[r[0] for r in rows]).update(
-                    status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
+            if connections[self.db].vendor == "postgresql":
+                rows = self._claim_rows_returning(key_set_text, now, wanted)
+            else:
+                rows = list(
+                    self.filter(status=PENDING, key_set=key_set_text, run_at__lte=now)
+                    .order_by("-priority", "id")
+                    .select_for_update(skip_locked=True)
+                    .values_list("id", "dispatch_no", "queue")[:wanted]
                 )
+                if rows:
+                    self.filter(id__in=[r[0] for r in rows]).update(
+                        status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
+                    )
+                rows = [(i, n + 1, q) for i, n, q in rows]
+            if rows:
                 limiter.adjust(keys, reserved=len(rows))
-        claimed = [Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=key_set_text) for i, n, q in rows]
+        claimed = [Claimed(id=i, dispatch_no=n, queue=q, key_set=key_set_text) for i, n, q in rows]
         return ClaimResult(claimed, verdict)
+
+    def _claim_rows_returning(self, key_set_text: str, now: datetime, wanted: int) -> list[tuple[int, int, str]]:
+        """Select and mark due calls dispatched in one statement; return (id, new dispatch_no, queue)."""
+        table = self.model._meta.db_table
+        sql = f"""
+            UPDATE {table} SET status = %s, dispatched_at = %s, dispatch_no = dispatch_no + 1
+            WHERE id IN (
+                SELECT id FROM {table}
+                WHERE status = %s AND key_set = %s AND run_at <= %s
+                ORDER BY priority DESC, id
+                LIMIT %s
+                FOR UPDATE SKIP LOCKED
+            )
+            RETURNING id, dispatch_no, queue, priority
+        """
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql, [DISPATCHED, now, PENDING, key_set_text, now, wanted])
+            found = cursor.fetchall()
+        # RETURNING keeps no order: publish the most urgent first, as the scan chose them.
+        found.sort(key=lambda row: (-row[3], row[0]))
+        return [(i, n, q) for i, n, q, _ in found]
 
     def put_back(self, calls: Iterable[Claimed]) -> int:
         """Return claimed calls whose publish failed to waiting at once."""
