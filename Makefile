@@ -17,13 +17,13 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 test: test-postgres test-sqlite
 
 test-postgres: venv
-	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest
+	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest -m "not embedded"
 
 test-sqlite: venv
 	env -u DATABASE_URL $(BIN)/pytest -m "not postgres"
 
 check: venv
-	$(BIN)/ruff check dispatcher project tests
+	$(BIN)/ruff check dispatcher project tests bench demo
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 

@@ -32,7 +32,7 @@ from demo.processes import Processes, clean_environment, install_stop_signals, w
 
 TENANTS = {"acme": 3, "globex": 2, "initech": 2, "umbrella": 2, "hooli": 1, "stark": 1}
 LIMIT, PERIOD, CONCURRENCY, TENANT_LIMIT = 20, 2.0, 4, 6
-TIGHTENED_LIMIT = 8
+TIGHTENED_LIMIT = 3
 # The limiter counts starts; the partner counts arrivals, a few milliseconds to a few hundred
 # later. A policy period longer than the partner's by the worst start-to-arrival delay keeps
 # every window the partner sees within its limit.
@@ -246,11 +246,11 @@ def summary(parts: list[PartResult], total_elapsed: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Show the dispatcher keeping a partner API's limits.")
     parser.add_argument("--quick", action="store_true", help="fewer calls (for the tests)")
-    parser.add_argument("--calls", type=int, default=None, help="calls in part one (default 200, quick 60)")
+    parser.add_argument("--calls", type=int, default=None, help="calls in part one (default 160, quick 60)")
     parser.add_argument("--keep", action="store_true", help="keep the demo's folder (database, logs)")
     parser.add_argument("--json", dest="json_path", default=None, help="also write the summary as JSON here")
     args = parser.parse_args(argv)
-    calls_one = args.calls or (60 if args.quick else 200)
+    calls_one = args.calls or (60 if args.quick else 160)
     calls_two = max(20, calls_one // 5)
     if calls_one < 1:
         parser.error("--calls must be at least 1")
