@@ -115,9 +115,10 @@ def test_retries_and_429_through_real_workers(procs, fake_api):
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_a_duplicate_celery_message_runs_the_handler_once(procs, fake_api):
+    from kombu import Connection
+
     from dispatcher.limiter import Policies
     from dispatcher.tasks import run_call
-    from kombu import Connection
 
     call = http_call(fake_api, "/ok/dup", "a", 1)
     claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
