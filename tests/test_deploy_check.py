@@ -1,0 +1,36 @@
+"""The production settings pass Django's deployment checklist."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.procs import ROOT
+
+
+def test_check_deploy_is_clean_for_production_settings(tmp_path):
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+        "DJANGO_DEBUG": "false",
+        "DJANGO_SECURE_HTTPS": "true",
+        "DJANGO_SECRET_KEY": "x7#Qp!2vLm9@Zr4&Tn8^Wd1*Hs6%Kb3$Yf5(Jc0)Ug-Ae_Ro+Ni=Ml",
+        "DJANGO_ALLOWED_HOSTS": "dispatcher.example.com",
+        "DISPATCHER_VAR_DIR": str(tmp_path),
+    }
+    run = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "no issues" in run.stdout
+
+
+def test_the_insecure_development_key_is_flagged_by_the_checklist(tmp_path):
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "project.settings", "DISPATCHER_VAR_DIR": str(tmp_path)}
+    env.pop("DJANGO_SECRET_KEY", None)
+    run = subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert run.returncode != 0 and "SECRET_KEY" in run.stdout + run.stderr
