@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.processes import Processes, clean_environment, install_stop_signals, wait_for
+from dispatcher.windows import max_in_window  # noqa: F401 - re-exported for callers
 
 TENANTS = {"acme": 3, "globex": 2, "initech": 2, "umbrella": 2, "hooli": 1, "stark": 1}
 LIMIT, PERIOD, CONCURRENCY, TENANT_LIMIT = 20, 2.0, 4, 6
@@ -61,17 +62,6 @@ class PartResult:
     deferrals: int = 0
     limit: int = LIMIT
     checks: list[Check] = field(default_factory=list)
-
-
-def max_in_window(times: list[float], period: float) -> int:
-    """Return the most events in any closed interval of length ``period`` (a sliding window)."""
-    best, left = 0, 0
-    ordered = sorted(times)
-    for right, t in enumerate(ordered):
-        while ordered[left] < t - period:
-            left += 1
-        best = max(best, right - left + 1)
-    return best
 
 
 class Partner:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from dispatcher.windows import max_in_window  # noqa: F401 - re-exported for callers
+
 
 @dataclass
 class Arrival:
@@ -120,14 +122,3 @@ class FakeAPI:
     def times(self, predicate=lambda a: True) -> list[float]:
         with self.lock:
             return sorted(a.at for a in self.arrivals if predicate(a))
-
-
-def max_in_window(times: list[float], period: float) -> int:
-    """Return the most events in any closed interval of length ``period``."""
-    best, left = 0, 0
-    ordered = sorted(times)
-    for right, t in enumerate(ordered):
-        while ordered[left] < t - period:
-            left += 1
-        best = max(best, right - left + 1)
-    return best

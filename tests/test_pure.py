@@ -113,3 +113,11 @@ def test_combined_verdict_is_the_tightest():
     assert combine([Verdict(3), Verdict(1)]).room == 1
     blocked = combine([Verdict(2), Verdict(0, t1, "a"), Verdict(0, t2, "b")])
     assert (blocked.room, blocked.until, blocked.reason) == (0, t2, "b")
+
+
+def test_max_in_window_counts_a_closed_interval():
+    from dispatcher.windows import max_in_window
+
+    assert max_in_window([0.0, 0.5, 1.0, 2.5], 1.0) == 3
+    assert max_in_window([0.0, 1.01, 2.02], 1.0) == 1
+    assert max_in_window([], 1.0) == 0
