@@ -40,6 +40,8 @@ def validate_key(key: Any) -> str:
         raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
         raise InvalidKey(f"a key cannot contain control characters: {key!r}")
+    if not _is_unicode(key):
+        raise InvalidKey(f"a key must be valid Unicode text: {key!r}")
     return key
 
 
@@ -57,6 +59,15 @@ def resolve_keys(templates: Iterable[str], extra: Iterable[str] | None, params: 
     if len(unique) > MAX_KEYS:
         raise InvalidKey(f"a call may have at most {MAX_KEYS} keys, got {len(unique)}")
     return unique
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether the text encodes to UTF-8 (no lone surrogates, which JSON columns refuse)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def key_set(keys: Iterable[str]) -> str:
@@ -82,6 +93,8 @@ def validate_policy_key(key: Any) -> str:
         raise ValueError(f"'*' may only end a pattern, as in 'mailgun:*': {key!r}")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
         raise ValueError(f"a policy key cannot contain control characters: {key!r}")
+    if not _is_unicode(key):
+        raise ValueError(f"a policy key must be valid Unicode text: {key!r}")
     return key
 
 

@@ -55,7 +55,7 @@ def test_keys_from_handler_and_send_are_united_without_duplicates():
     assert resolve_keys(["a", "a:{n}"], ["a", "extra"], {"n": 1}) == ["a", "a:1", "extra"]
 
 
-@pytest.mark.parametrize("bad", ["", " a", "a*", "x\n", 5, "k" * 201])
+@pytest.mark.parametrize("bad", ["", " a", "a*", "x\n", 5, "k" * 201, "lone\ud800"])
 def test_bad_call_keys_are_refused(bad):
     with pytest.raises(InvalidKey):
         resolve_keys([], [bad], {})

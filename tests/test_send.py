@@ -103,3 +103,9 @@ def test_http_call_to_an_allowed_host_is_stored():
         "http", {"method": "POST", "url": "http://127.0.0.1:9/x", "json": {"a": 1}}, keys=["partner"]
     )
     assert call.keys == ["partner"] and call.method == "http"
+
+
+def test_a_key_with_a_lone_surrogate_is_refused_before_the_database_sees_it():
+    with pytest.raises(ValueError, match="valid Unicode"):
+        CallQueue.objects.send("noop", {}, keys=["tenant:\ud800"])
+    assert not CallQueue.objects.exists()
