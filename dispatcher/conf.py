@@ -83,6 +83,7 @@ class DispatcherSettings:
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
     HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")
+    HTTP_SECRETS = Setting("", _as_list, "Settings/env names http headers may reference as {'secret': NAME}.")
     HTTP_TIMEOUT = Setting(30.0, _as_float, "Default timeout of the http handler, in seconds.")
     HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores.")
     RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'concurrency'?}].")

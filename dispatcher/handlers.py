@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import email.utils
 import ipaddress
+import os
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from django.conf import settings as django_settings
 from django.http.request import validate_host
 
 from dispatcher import PermanentError, RateLimited, handler
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
+from dispatcher.redact import SECRET_NAME
 
 HTTP_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
 HTTP_PARAMS = {"method", "url", "headers", "json", "data", "timeout"}
@@ -69,8 +72,18 @@ def validate_http(params: dict[str, Any]) -> None:
         if not isinstance(headers, dict):
             raise InvalidParams("http: 'headers' must be an object of strings")
         for name, value in headers.items():
-            if not isinstance(value, str) or not name or any(c in name for c in ":\r\n \t") or any(c in value for c in "\r\n\0"):
-                raise InvalidParams(f"http: bad header {name!r}: names are tokens, values single-line strings")
+            if not name or any(c in name for c in ":\r\n \t"):
+                raise InvalidParams(f"http: bad header name {name!r}: header names are tokens")
+            if isinstance(value, dict):
+                _secret_name(name, value)
+                continue
+            if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+                raise InvalidParams(f"http: bad header {name!r}: values are single-line strings")
+            if SECRET_NAME.search(name):
+                raise InvalidParams(
+                    f"http: header {name!r} carries a credential; give it as {{\"secret\": \"SETTING_NAME\"}} so it is "
+                    "read from settings when the call runs and never stored (names listed in DISPATCHER_HTTP_SECRETS)"
+                )
     if "json" in params and "data" in params:
         raise InvalidParams("http: give 'json' or 'data', not both")
     data = params.get("data")
@@ -79,6 +92,34 @@ def validate_http(params: dict[str, Any]) -> None:
     timeout = params.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 300):
         raise InvalidParams("http: 'timeout' must be a number of seconds between 0 and 300")
+
+
+def _secret_name(header: str, value: dict[str, Any]) -> str:
+    """Return the setting a ``{"secret": NAME}`` header value refers to, if it is allowed."""
+    name = value.get("secret")
+    if set(value) != {"secret"} or not isinstance(name, str):
+        raise InvalidParams(f"http: header {header!r} must be a string or {{\"secret\": \"SETTING_NAME\"}}")
+    if name not in dispatcher_settings.HTTP_SECRETS:
+        raise InvalidParams(f"http: secret {name!r} is not listed in DISPATCHER_HTTP_SECRETS")
+    return name
+
+
+def resolve_headers(headers: dict[str, Any]) -> dict[str, str]:
+    """Fill ``{"secret": NAME}`` header values from Django settings or the environment."""
+    resolved = {}
+    for header, value in headers.items():
+        if isinstance(value, dict):
+            try:
+                name = _secret_name(header, value)
+            except InvalidParams as exc:  # the list of secrets changed since send()
+                raise PermanentError(str(exc)) from None
+            secret = getattr(django_settings, name, None) or os.environ.get(name)
+            if not secret:
+                raise PermanentError(f"secret {name!r} for header {header!r} is not set")
+            resolved[header] = str(secret)
+        else:
+            resolved[header] = value
+    return resolved
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -107,7 +148,7 @@ def http(**params: Any) -> dict[str, Any]:
     except InvalidParams as exc:
         raise PermanentError(str(exc)) from None
     timeout = params.get("timeout") or dispatcher_settings.HTTP_TIMEOUT
-    request: dict[str, Any] = {"headers": params.get("headers") or {}}
+    request: dict[str, Any] = {"headers": resolve_headers(params.get("headers") or {})}
     if "json" in params:
         request["json"] = params["json"]
     elif isinstance(params.get("data"), dict):
