@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -103,7 +102,3 @@ class DispatcherSettings:
 
 
 dispatcher_settings = DispatcherSettings()
-
-
-def seconds(value: timedelta) -> float:
-    return value.total_seconds()
