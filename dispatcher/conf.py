@@ -79,6 +79,10 @@ class DispatcherSettings:
     DISPENSE_INTERVAL = Setting("5s", parse_duration, "How often beat runs a dispense pass.")
     RESCUE_INTERVAL = Setting("30s", parse_duration, "How often beat runs the rescue sweep.")
     PRUNE_CRONTAB = Setting("0 3 * * *", str, "When beat runs prune_calls (cron: minute hour dom month dow).")
+    DISPATCH_AHEAD = Setting(
+        "100ms", parse_duration,
+        "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",
+    )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
     HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")

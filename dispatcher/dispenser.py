@@ -20,7 +20,7 @@ from dispatcher.queries import Claimed
 
 log = logging.getLogger("dispatcher")
 
-WAKE_CHANNEL = "dispatcher_wake"
+WAKE_CHANNEL = limiter.WAKE_CHANNEL
 
 
 @dataclass
@@ -53,35 +53,21 @@ class Dispenser:
             # Start after the key set this dispenser served last: round-robin across passes.
             split = next((i for i, k in enumerate(key_sets) if k > self.cursor), 0)
             key_sets = key_sets[split:] + key_sets[:split]
+        # A pass serves at most one key set per call of its batch; the rest wait their turn.
+        key_sets = key_sets[: self.batch]
         report.key_sets = len(key_sets)
-        budget = self.batch
-        active = list(key_sets)
         waits: list[datetime] = []
-        # Share the batch across key sets in rounds, so one key's backlog cannot crowd out
-        # another key that has room.
-        while active and budget > 0:
-            share = max(1, budget // len(active))
-            still_active = []
-            for text in active:
-                wanted = min(share, budget)
-                if wanted <= 0:
-                    break
-                result = CallQueue.objects.claim(text, wanted, policies)
-                moved = len(result.calls)
-                if moved:
-                    maybe_fail("after_claim")
-                    report.moved += moved
-                    budget -= moved
-                    self._publish(result.calls, report)
-                    self.cursor = text
-                if moved == wanted:
-                    still_active.append(text)
-                elif result.verdict.blocked and result.verdict.until is not None:
-                    waits.append(result.verdict.until)
-            active = still_active
-        report.full = budget <= 0
-        now = db_now()
-        upcoming = CallQueue.objects.next_due_at(now)
+        if key_sets:
+            claimed = CallQueue.objects.claim_batch(key_sets, self.batch, policies)
+            report.moved = len(claimed.calls)
+            if claimed.calls:
+                maybe_fail("after_claim")
+                self._publish(claimed.calls, report)
+                served = {call.key_set for call in claimed.calls}
+                self.cursor = [k for k in key_sets if k in served][-1]
+            waits = [v.until for v in claimed.verdicts.values() if v.blocked and v.until is not None]
+        report.full = report.moved >= self.batch
+        upcoming = CallQueue.objects.next_due_at(db_now())
         if upcoming is not None:
             waits.append(upcoming)
         report.next_at = min(waits) if waits else None

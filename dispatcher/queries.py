@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -40,6 +40,7 @@ class Claimed:
     dispatch_no: int
     queue: str
     key_set: str
+    priority: int = 0
 
 
 @dataclass
@@ -49,13 +50,25 @@ class ClaimResult:
 
 
 @dataclass
+class BatchClaim:
+    """The calls a pass claimed, and each key set's room as the pass found it."""
+
+    calls: list[Claimed]
+    verdicts: dict[str, limiter.Verdict]
+
+
+@dataclass
 class Started:
     """The outcome of a worker's attempt to start a call."""
 
-    state: str  # "started", "stale" or "deferred"
+    state: str  # "started", "stale", "deferred" or "early"
     call: CallQueue | None = None
     attempt: Attempt | None = None
     reason: str = ""
+    # Whether a key of the call has a concurrency cap, so its finish frees a slot to wake for.
+    capped: bool = False
+    # For an early delivery: how long until its keys have room.
+    wait: timedelta = timedelta(0)
 
 
 @dataclass
@@ -64,6 +77,10 @@ class RescueReport:
     running: int = 0
     failed: int = 0
     ids: list[int] = field(default_factory=list)
+
+
+# json.dumps builds a new encoder whenever it is given options; this one is built once.
+_params_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 def _clean_params(params: Any, limit: int) -> dict[str, Any]:
@@ -101,6 +118,17 @@ def _clean_queue(queue: Any) -> str:
     if not isinstance(queue, str) or len(queue) > 100 or any(c.isspace() for c in queue):
         raise InvalidCall(f"queue must be a Celery queue name (no spaces, at most 100 characters): {queue!r}")
     return queue
+
+
+def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQueue:
+    """Build a call from a raw row of all its columns, converted as the ORM would."""
+    connection_ = connections[db]
+    values = []
+    for model_field, value in zip(model._meta.concrete_fields, row, strict=True):
+        for convert in model_field.get_db_converters(connection_):
+            value = convert(value, None, connection_)
+        values.append(value)
+    return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)
 
 
 class CallQueueQuerySet(models.QuerySet):
@@ -225,54 +253,114 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def claim(self, key_set_text: str, limit: int, policies: limiter.Policies) -> ClaimResult:
         """Claim up to ``limit`` due calls of one key set, as many as its keys have room for."""
-        keys = parse_key_set(key_set_text)
+        batch = self.claim_batch([key_set_text], limit, policies)
+        return ClaimResult(batch.calls, batch.verdicts[key_set_text])
+
+    def claim_batch(self, key_sets: Sequence[str], budget: int, policies: limiter.Policies) -> BatchClaim:
+        """Claim up to ``budget`` due calls across key sets, sharing it in rounds, in one transaction.
+
+        Each round asks every key set still in play for an equal share of what is left (no more
+        than its keys have room for) in one statement; a key set that fills its share may take
+        more in the next round, so one backlog cannot crowd out a key that has room.
+        """
+        parsed = {text: parse_key_set(text) for text in key_sets}
+        all_keys = sorted({key for keys in parsed.values() for key in keys})
+        result = BatchClaim([], {})
         # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
         with transaction.atomic(using=self.db):
-            states = limiter.lock_keys(keys)
+            states = limiter.lock_keys(all_keys)
             now = db_now()
-            verdict = limiter.check_keys(keys, states, now, policies, for_start=False)
-            wanted = min(limit, verdict.room)
-            if wanted <= 0:
-                return ClaimResult([], verdict)
-            if connections[self.db].vendor == "postgresql":
-                rows = self._claim_rows_returning(key_set_text, now, wanted)
-            else:
-                rows = list(
-                    self.filter(status=PENDING, key_set=key_set_text, run_at__lte=now)
-                    .order_by("-priority", "id")
-                    .select_for_update(skip_locked=True)
-                    .values_list("id", "dispatch_no", "queue")[:wanted]
-                )
-                if rows:
-                    self.filter(id__in=[r[0] for r in rows]).update(
-                        status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
-                    )
-                rows = [(i, n + 1, q) for i, n, q in rows]
-            if rows:
-                limiter.adjust(keys, reserved=len(rows))
-        claimed = [Claimed(id=i, dispatch_no=n, queue=q, key_set=key_set_text) for i, n, q in rows]
-        return ClaimResult(claimed, verdict)
+            # Judge the windows a little ahead, so a call claimed for a slot about to free
+            # reaches its worker as the slot frees; the start re-checks on the clock of then.
+            at = now + dispatcher_settings.DISPATCH_AHEAD
+            by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False)
+            room = {key: verdict.room for key, verdict in by_key.items()}
+            active = []
+            for text, keys in parsed.items():
+                verdict = limiter.combine([by_key[key] for key in keys])
+                result.verdicts[text] = verdict
+                if not verdict.blocked:
+                    active.append(text)
+            reserved: dict[str, int] = {}
+            while active and budget > 0:
+                share = max(1, budget // len(active))
+                asks: dict[str, int] = {}
+                left = budget
+                for text in active:
+                    wanted = min([share, left, *(room[key] for key in parsed[text])])
+                    if wanted > 0:
+                        asks[text] = wanted
+                        left -= wanted
+                        for key in parsed[text]:
+                            room[key] -= wanted
+                if not asks:
+                    break
+                rows = self._claim_rows(asks, now)
+                got: dict[str, int] = {}
+                for row in rows:
+                    got[row.key_set] = got.get(row.key_set, 0) + 1
+                for text, wanted in asks.items():
+                    for key in parsed[text]:
+                        room[key] += wanted - got.get(text, 0)
+                        reserved[key] = reserved.get(key, 0) + got.get(text, 0)
+                result.calls.extend(rows)
+                budget -= len(rows)
+                # Only a key set that filled its share may have more waiting.
+                active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted]
+            limiter.adjust_reserved(reserved)
+            # A key set whose keys this pass filled waits for room like one found blocked.
+            filled = sorted({key for key in reserved if room[key] <= 0})
+            if filled:
+                for key in filled:
+                    states[key].reserved += reserved[key]
+                after = limiter.check_each_key(filled, states, at, policies, for_start=False)
+                for text, keys in parsed.items():
+                    if not result.verdicts[text].blocked and any(key in after for key in keys):
+                        result.verdicts[text] = limiter.combine([after.get(key, by_key[key]) for key in keys])
+        # Publish the most urgent first, as each key set's scan chose them.
+        result.calls.sort(key=lambda call: (-call.priority, call.id))
+        return result
 
-    def _claim_rows_returning(self, key_set_text: str, now: datetime, wanted: int) -> list[tuple[int, int, str]]:
-        """Select and mark due calls dispatched in one statement; return (id, new dispatch_no, queue)."""
+    def _claim_rows(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
+        """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
+        if connections[self.db].vendor == "postgresql":
+            return self._claim_rows_returning(asks, now)
+        claimed = []
+        for text, wanted in asks.items():
+            rows = list(
+                self.filter(status=PENDING, key_set=text, run_at__lte=now)
+                .order_by("-priority", "id")
+                .select_for_update(skip_locked=True)
+                .values_list("id", "dispatch_no", "queue", "priority")[:wanted]
+            )
+            if rows:
+                self.filter(id__in=[r[0] for r in rows]).update(
+                    status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
+                )
+            claimed += [Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p) for i, n, q, p in rows]
+        return claimed
+
+    def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
+        """Select and mark the due calls of every asking key set in one statement."""
         table = self.model._meta.db_table
+        # One LATERAL scan of the waiting index per key set, each with its own LIMIT.
         sql = f"""
             UPDATE {table} SET status = %s, dispatched_at = %s, dispatch_no = dispatch_no + 1
             WHERE id IN (
-                SELECT id FROM {table}
-                WHERE status = %s AND key_set = %s AND run_at <= %s
-                ORDER BY priority DESC, id
-                LIMIT %s
-                FOR UPDATE SKIP LOCKED
+                SELECT due.id FROM unnest(%s::text[], %s::int[]) AS ask(key_set, wanted)
+                CROSS JOIN LATERAL (
+                    SELECT id FROM {table}
+                    WHERE status = %s AND key_set = ask.key_set AND run_at <= %s
+                    ORDER BY priority DESC, id
+                    LIMIT ask.wanted
+                    FOR UPDATE SKIP LOCKED
+                ) AS due
             )
-            RETURNING id, dispatch_no, queue, priority
+            RETURNING id, dispatch_no, queue, key_set, priority
         """
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql, [DISPATCHED, now, PENDING, key_set_text, now, wanted])
-            found = cursor.fetchall()
-        # RETURNING keeps no order: publish the most urgent first, as the scan chose them.
-        found.sort(key=lambda row: (-row[3], row[0]))
-        return [(i, n, q) for i, n, q, _ in found]
+            cursor.execute(sql, [DISPATCHED, now, list(asks), list(asks.values()), PENDING, now])
+            return [Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p) for i, n, q, k, p in cursor.fetchall()]
 
     def put_back(self, calls: Iterable[Claimed]) -> int:
         """Return claimed calls whose publish failed to waiting at once."""
@@ -299,41 +387,114 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     # --- worker --------------------------------------------------------------------------
 
-    def start(self, call_id: int, dispatch_no: int, worker: str = "") -> Started:
-        """Move a dispatched call to running if its keys still have room; count the attempt."""
-        from dispatcher.models import Attempt
+    def start(
+        self, call_id: int, dispatch_no: int, worker: str = "", *, may_wait: timedelta = timedelta(0)
+    ) -> Started:
+        """Move a dispatched call to running if its keys still have room; count the attempt.
 
+        If the keys have no room now but will within ``may_wait``, nothing changes and the
+        result says how long to wait before trying again ("early").
+        """
         head = self.filter(id=call_id).values_list("key_set", "status", "dispatch_no").first()
         if head is None:
             return Started("stale", reason="no such call")
         if head[1] != DISPATCHED or head[2] != dispatch_no:
             return Started("stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
         keys = parse_key_set(head[0])
+        capped = False
         with transaction.atomic(using=self.db):
-            states = limiter.lock_keys(keys)
-            # Read after the lock wait, so a policy edit committed meanwhile binds this start.
-            policies = limiter.Policies.load()
-            call = self.select_for_update().filter(id=call_id).first()
-            if call is None or call.status != DISPATCHED or call.dispatch_no != dispatch_no:
-                return Started("stale", reason="claimed by another delivery")
-            now = db_now()
-            # Re-checked at the start itself: a message may have waited in the broker while the
-            # window filled, a policy tightened or a pause began.
-            verdict = limiter.check_keys(keys, states, now, policies, for_start=True)
-            if verdict.blocked:
-                until = verdict.until or now + timedelta(seconds=1)
-                self.filter(id=call_id).update(status=PENDING, dispatched_at=None, run_at=until)
-                limiter.adjust(keys, reserved=-1)
-                return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
-            limiter.record_starts(keys, now)
-            number = call.attempts + call.deferrals + 1
-            attempt = Attempt.objects.create(call=call, number=number, started_at=now, worker=worker[:200])
-            call.status, call.started_at, call.attempts = RUNNING, now, call.attempts + 1
-            self.filter(id=call_id).update(status=RUNNING, started_at=now, attempts=F("attempts") + 1)
-            limiter.adjust(keys, reserved=-1, running=1)
-        return Started("started", call=call, attempt=attempt)
+            if keys:
+                states = limiter.lock_keys(keys)
+                # Read after the lock wait, so a policy edit committed meanwhile binds this start.
+                policies = limiter.Policies.load()
+                now = db_now()
+                # Re-checked at the start itself: a message may have waited in the broker while
+                # the window filled, a policy tightened or a pause began.
+                verdict = limiter.check_keys(keys, states, now, policies, for_start=True)
+                if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
+                    return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
+                if verdict.blocked:
+                    until = verdict.until or now + timedelta(seconds=1)
+                    deferred = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
+                        status=PENDING, dispatched_at=None, run_at=until
+                    )
+                    if not deferred:
+                        return Started("stale", reason="claimed by another delivery")
+                    limiter.adjust(keys, reserved=-1)
+                    return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
+                capped = any(p.concurrency for key in keys for p in policies.for_key(key))
+            else:
+                now = db_now()
+            started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200])
+        if started is None:
+            return Started("stale", reason="claimed by another delivery")
+        return Started("started", call=started[0], attempt=started[1], capped=capped)
 
-    def _finish(self, call: CallQueue, attempt: Attempt, outcome: str, error: str, **changes: Any) -> bool:
+    def _mark_running(
+        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str
+    ) -> tuple[CallQueue, Attempt] | None:
+        """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
+        from dispatcher.models import Attempt
+
+        if connections[self.db].vendor == "postgresql":
+            return self._mark_running_returning(call_id, dispatch_no, keys, now, worker)
+        won = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
+            status=RUNNING, started_at=now, attempts=F("attempts") + 1
+        )
+        if not won:
+            return None
+        call = self.get(id=call_id)
+        attempt = Attempt.objects.create(
+            call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
+        )
+        limiter.record_starts(keys, now)
+        limiter.adjust(keys, reserved=-1, running=1)
+        return call, attempt
+
+    def _mark_running_returning(
+        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str
+    ) -> tuple[CallQueue, Attempt] | None:
+        """The same as one statement: the guarded update, the attempt, the window log, the counters."""
+        from dispatcher.models import Attempt, KeyStart, KeyState
+
+        fields = self.model._meta.concrete_fields
+        columns = ", ".join(f"started.{connection.ops.quote_name(f.column)}" for f in fields)
+        sql = f"""
+            WITH started AS (
+                UPDATE {self.model._meta.db_table}
+                SET status = %(running)s, started_at = %(now)s, attempts = attempts + 1
+                WHERE id = %(id)s AND status = %(dispatched)s AND dispatch_no = %(dispatch_no)s
+                RETURNING *
+            ), attempt AS (
+                INSERT INTO {Attempt._meta.db_table} (call_id, number, started_at, outcome, error, worker)
+                SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
+                RETURNING id, number
+            ), window_log AS (
+                INSERT INTO {KeyStart._meta.db_table} (key, started_at)
+                SELECT key, %(now)s FROM started, unnest(%(keys)s::text[]) AS key
+            ), counters AS (
+                UPDATE {KeyState._meta.db_table} SET reserved = reserved - 1, running = running + 1
+                WHERE key = ANY(%(keys)s::text[]) AND EXISTS (SELECT 1 FROM started)
+            )
+            SELECT attempt.id, attempt.number, {columns} FROM started, attempt
+        """
+        params = {
+            "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
+            "dispatch_no": dispatch_no, "worker": worker, "keys": keys,
+        }
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql, params)
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        call = _call_from_row(self.model, self.db, row[2:])
+        attempt = Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+        attempt._state.adding, attempt._state.db = False, self.db
+        return call, attempt
+
+    def _finish(
+        self, call: CallQueue, attempt: Attempt, outcome: str, error: str, *, wake: bool = True, **changes: Any
+    ) -> bool:
         from dispatcher.models import Attempt
 
         keys = parse_key_set(call.key_set)
@@ -341,33 +502,81 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.lock_keys(keys)
             now = db_now()
             changes = {k: (v(now) if callable(v) else v) for k, v in changes.items()}
-            won = self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes)
+            # Wake dispensers when the call waits again, or when it may free a concurrency slot.
+            wake = changes.get("status") == PENDING or (wake and bool(keys))
+            if connections[self.db].vendor == "postgresql":
+                won = self._finish_returning(call, attempt.id, keys, now, outcome, error[:MAX_ERROR_CHARS], changes, wake)
+            else:
+                won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
+                if won:
+                    Attempt.objects.filter(id=attempt.id).update(
+                        finished_at=now, outcome=outcome, error=error[:MAX_ERROR_CHARS]
+                    )
+                    limiter.adjust(keys, running=-1)
             if not won:
                 # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
                 log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
                 return False
-            Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error[:MAX_ERROR_CHARS])
-            limiter.adjust(keys, running=-1)
-            limiter.wake_dispensers()
+            if wake and connections[self.db].vendor != "postgresql":
+                limiter.wake_dispensers()
         return True
 
-    def finish_done(self, call: CallQueue, attempt: Attempt, result: Any) -> bool:
-        """Record a successful attempt and its result."""
+    def _finish_returning(
+        self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
+        changes: dict[str, Any], wake: bool,
+    ) -> bool:
+        """Record the finish in one statement: the guarded update, the attempt, the counters, the wake-up."""
+        from dispatcher.models import Attempt, KeyState
+
+        db = connections[self.db]
+        sets, values = [], []
+        for name, value in changes.items():
+            field = self.model._meta.get_field(name)
+            sets.append(f"{db.ops.quote_name(field.column)} = %s")
+            values.append(field.get_db_prep_save(value, db))
+        sql = f"""
+            WITH finished AS (
+                UPDATE {self.model._meta.db_table} SET {", ".join(sets)}
+                WHERE id = %s AND status = %s AND dispatch_no = %s
+                RETURNING id
+            ), attempt AS (
+                UPDATE {Attempt._meta.db_table} SET finished_at = %s, outcome = %s, error = %s
+                WHERE id = %s AND EXISTS (SELECT 1 FROM finished)
+            ), counters AS (
+                UPDATE {KeyState._meta.db_table} SET running = running - 1
+                WHERE key = ANY(%s::text[]) AND EXISTS (SELECT 1 FROM finished)
+            ), wake AS (
+                SELECT pg_notify(%s, '') FROM finished WHERE %s
+            )
+            SELECT (SELECT COUNT(*) FROM finished), (SELECT COUNT(*) FROM wake)
+        """
+        params = [
+            *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id, keys,
+            limiter.WAKE_CHANNEL, wake,
+        ]
+        with db.cursor() as cursor:
+            cursor.execute(sql, params)
+            return bool(cursor.fetchone()[0])
+
+    def finish_done(self, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True) -> bool:
+        """Record a successful attempt and its result; ``wake=False`` when no key has a concurrency cap."""
         return self._finish(
-            call, attempt, "done", "", status=DONE, result=result, finished_at=lambda now: now, last_error=""
+            call, attempt, "done", "", wake=wake, status=DONE, result=result, finished_at=lambda now: now, last_error=""
         )
 
-    def finish_error(self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool) -> bool:
+    def finish_error(
+        self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True
+    ) -> bool:
         """Record a failed attempt: retry with backoff while attempts remain, else fail."""
         error = error[:MAX_ERROR_CHARS]
         if permanent or call.attempts >= call.max_attempts:
             return self._finish(
-                call, attempt, "failed" if permanent else "error", error,
+                call, attempt, "failed" if permanent else "error", error, wake=wake,
                 status=FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
             )
         delay = RetryPolicy.from_settings().delay(call.attempts)
         return self._finish(
-            call, attempt, "error", error,
+            call, attempt, "error", error, wake=wake,
             status=PENDING, run_at=lambda now: now + delay, dispatched_at=None,
             last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
         )

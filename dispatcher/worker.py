@@ -12,11 +12,14 @@ from typing import Any
 
 from django.db import InterfaceError, OperationalError, connection
 
+from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.registry import get_handler
 
 log = logging.getLogger("dispatcher")
 
+# Waits for a slot a call was claimed ahead of, before the start defers it.
+EARLY_TRIES = 3
 # About 6 s of retries in all: long enough to ride out a failover or a killed connection.
 RECORD_TRIES = 6
 
@@ -51,7 +54,17 @@ def execute(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call; return what happened (started calls end done, retry or failed)."""
     from dispatcher.models import CallQueue
 
-    started = CallQueue.objects.start(call_id, dispatch_no, worker=f"{socket.gethostname()}:{os.getpid()}")
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    # A dispenser may claim a call up to DISPATCHER_DISPATCH_AHEAD before its slot frees: wait
+    # for the slot here (briefly, holding no lock) rather than send the call back to wait.
+    ahead = dispatcher_settings.DISPATCH_AHEAD
+    for _ in range(EARLY_TRIES):
+        started = CallQueue.objects.start(call_id, dispatch_no, worker=worker, may_wait=ahead)
+        if started.state != "early":
+            break
+        time.sleep(started.wait.total_seconds())
+    else:
+        started = CallQueue.objects.start(call_id, dispatch_no, worker=worker)
     if started.state != "started":
         log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, started.state, started.reason)
         return started.state
@@ -66,13 +79,19 @@ def execute(call_id: int, dispatch_no: int) -> str:
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
         return "rate_limited"
     except (PermanentError, UnknownMethod) as exc:
-        _record(CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=True)
+        _record(
+            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+            permanent=True, wake=started.capped,
+        )
         log.info("run_failed call=%s error=%r", call.id, exc)
         return "failed"
     except Exception as exc:
-        _record(CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(), permanent=False)
+        _record(
+            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+            permanent=False, wake=started.capped,
+        )
         log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
         return "error"
-    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result))
+    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result), wake=started.capped)
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
     return "done"
