@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 
 
 @register()
@@ -19,3 +19,20 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             except (TypeError, ValueError) as exc:
                 errors.append(Error(f"DISPATCHER_{name} is invalid: {exc}", id="dispatcher.E001"))
     return errors
+
+
+@register()
+def check_worker_connections(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """Warn when Celery would open a new database connection for every call a worker runs."""
+    from django.conf import settings
+
+    if getattr(settings, "CELERY_DB_REUSE_MAX", None):
+        return []
+    return [
+        Warning(
+            "CELERY_DB_REUSE_MAX is not set: Celery's Django fixup closes the database connection "
+            "before and after every task, so each call a worker runs opens a new connection.",
+            hint="Set CELERY_DB_REUSE_MAX = 1000 (or your Celery namespace's equivalent).",
+            id="dispatcher.W001",
+        )
+    ]

@@ -11,8 +11,13 @@ log = logging.getLogger("dispatcher")
 @shared_task(name="dispatcher.run_call", ignore_result=True)
 def run_call(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call (a stale or duplicate delivery does nothing)."""
+    from django.db import close_old_connections
+
     from dispatcher.worker import execute
 
+    # Workers keep their connection across tasks (CELERY_DB_REUSE_MAX); drop it here if it
+    # failed or outlived CONN_MAX_AGE, as Django does at the start of a request.
+    close_old_connections()
     return execute(call_id, dispatch_no)
 
 

@@ -141,6 +141,11 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "polling_interval": 0.05,
     }
 CELERY_TASK_DEFAULT_QUEUE = os.environ.get("CELERY_TASK_DEFAULT_QUEUE", "celery")
+# Celery's Django fixup closes the database connection before and after every task unless this
+# is set: a new PostgreSQL connection per call would cost more than the call's own queries. The
+# connection is kept for this many tasks; dispatcher.run_call drops one that failed or aged past
+# CONN_MAX_AGE before each task (Django's close_old_connections).
+CELERY_DB_REUSE_MAX = int(os.environ.get("CELERY_DB_REUSE_MAX", "1000"))
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"

@@ -34,3 +34,12 @@ def test_the_insecure_development_key_is_flagged_by_the_checklist(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
     assert run.returncode != 0 and "SECRET_KEY" in run.stdout + run.stderr
+
+
+def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
+    from django.core.checks import run_checks
+
+    del settings.CELERY_DB_REUSE_MAX
+    assert "dispatcher.W001" in [m.id for m in run_checks()]
+    settings.CELERY_DB_REUSE_MAX = 1000
+    assert "dispatcher.W001" not in [m.id for m in run_checks()]
