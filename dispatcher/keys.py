@@ -1,7 +1,9 @@
 """Rate-limit keys: formatting templates from params, validation, the canonical key set."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 import string
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -12,6 +14,9 @@ MAX_KEY_LENGTH = 200
 MAX_KEYS = 8
 
 _formatter = string.Formatter()
+_CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f]")
+# json.dumps builds a new encoder whenever it is given options; this one is built once.
+_compact_json = json.JSONEncoder(separators=(",", ":"))
 
 
 def format_key(template: str, params: Mapping[str, Any]) -> str:
@@ -38,7 +43,7 @@ def validate_key(key: Any) -> str:
         raise InvalidKey(f"key longer than {MAX_KEY_LENGTH} characters: {key[:40]!r}...")
     if "*" in key:
         raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
+    if _CONTROL_CHARACTER.search(key):
         raise InvalidKey(f"a key cannot contain control characters: {key!r}")
     if not _is_unicode(key):
         raise InvalidKey(f"a key must be valid Unicode text: {key!r}")
@@ -72,7 +77,13 @@ def _is_unicode(text: str) -> bool:
 
 def key_set(keys: Iterable[str]) -> str:
     """Return the canonical text of a set of keys: sorted, JSON-encoded."""
-    return json.dumps(sorted(set(keys)), separators=(",", ":"))
+    return _key_set_text(frozenset(keys))
+
+
+# Calls share a few key sets, and send_many() would otherwise encode the same one thousands of times.
+@functools.lru_cache(maxsize=4096)
+def _key_set_text(keys: frozenset[str]) -> str:
+    return _compact_json.encode(sorted(keys))
 
 
 def parse_key_set(text: str) -> list[str]:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from django.db import connection, connections, models, transaction
@@ -15,6 +16,7 @@ from dispatcher import limiter
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall, InvalidParams
+from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, parse_key_set, resolve_keys
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
@@ -83,13 +85,14 @@ class RescueReport:
 _params_json = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
-def _clean_params(params: Any, limit: int) -> dict[str, Any]:
+def _clean_params(params: Any, limit: int) -> tuple[dict[str, Any], str]:
+    """Return the params as JSON gives them back, and their JSON text; raise InvalidParams if bad."""
     if params is None:
-        return {}
+        return {}, "{}"
     if not isinstance(params, dict):
         raise InvalidParams(f"params must be a JSON object (a dict), not {type(params).__name__}")
     try:
-        text = json.dumps(params, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        text = _params_json.encode(params)
     except RecursionError:
         raise InvalidParams("params are nested too deeply") from None
     except (TypeError, ValueError) as exc:
@@ -103,7 +106,7 @@ def _clean_params(params: Any, limit: int) -> dict[str, Any]:
     if size > limit:
         raise InvalidParams(f"params are {size} bytes as JSON; the limit is {limit} (DISPATCHER_MAX_PARAMS_BYTES)")
     # Store what JSON would give back, so the handler sees the same params on every attempt.
-    return json.loads(text)
+    return json.loads(text), text
 
 
 def _int_argument(name: str, value: Any, low: int, high: int) -> int:
@@ -115,9 +118,60 @@ def _int_argument(name: str, value: Any, low: int, high: int) -> int:
 
 
 def _clean_queue(queue: Any) -> str:
-    if not isinstance(queue, str) or len(queue) > 100 or any(c.isspace() for c in queue):
+    # isprintable() also refuses NUL, control characters and lone surrogates, which no column stores.
+    if not isinstance(queue, str) or len(queue) > 100 or any(c.isspace() for c in queue) or not queue.isprintable():
         raise InvalidCall(f"queue must be a Celery queue name (no spaces, at most 100 characters): {queue!r}")
     return queue
+
+
+class _SendSettings:
+    """The settings send() reads, each read at most once and only when a call needs it."""
+
+    @cached_property
+    def max_params_bytes(self) -> int:
+        return dispatcher_settings.MAX_PARAMS_BYTES
+
+    @cached_property
+    def max_attempts(self) -> int:
+        return dispatcher_settings.MAX_ATTEMPTS
+
+    @cached_property
+    def queue(self) -> str:
+        return dispatcher_settings.QUEUE
+
+
+def _clean_call(
+    settings: _SendSettings,
+    method: Any,
+    params: Any = None,
+    *,
+    keys: Any = None,
+    priority: Any = 0,
+    run_at: Any = None,
+    max_attempts: Any = None,
+    queue: Any = None,
+) -> NewCall:
+    """Validate send()'s arguments and return the call to store; raise an InvalidCall (a ValueError) if bad."""
+    handler = get_handler(method)
+    clean, text = _clean_params(params, settings.max_params_bytes)
+    if handler.validator is not None:
+        handler.validate(clean)
+        # Validators are given the params themselves; store them as the validator left them.
+        clean, text = _clean_params(clean, settings.max_params_bytes)
+    call_keys = resolve_keys(handler.keys, keys, clean)
+    _int_argument("priority", priority, -INT32_MAX, INT32_MAX)
+    if max_attempts is None:
+        max_attempts = handler.max_attempts or settings.max_attempts
+    _int_argument("max_attempts", max_attempts, 1, 1000)
+    if queue is None:
+        queue = handler.queue or settings.queue
+    queue = _clean_queue(queue)
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidCall(f"run_at must be a datetime, not {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise InvalidCall("run_at must carry a timezone (a naive datetime is ambiguous)")
+    return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at)
 
 
 def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQueue:
@@ -167,33 +221,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         queue: str | None = None,
     ) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
-        handler = get_handler(method)
-        clean = _clean_params(params, dispatcher_settings.MAX_PARAMS_BYTES)
-        handler.validate(clean)
-        call_keys = resolve_keys(handler.keys, keys, clean)
-        _int_argument("priority", priority, -INT32_MAX, INT32_MAX)
-        if max_attempts is None:
-            max_attempts = handler.max_attempts or dispatcher_settings.MAX_ATTEMPTS
-        _int_argument("max_attempts", max_attempts, 1, 1000)
-        if queue is None:
-            queue = handler.queue or dispatcher_settings.QUEUE
-        fields: dict[str, Any] = {
-            "method": method,
-            "params": clean,
-            "keys": call_keys,
-            "key_set": key_set(call_keys),
-            "priority": priority,
-            "max_attempts": max_attempts,
-            "queue": _clean_queue(queue),
-            "status": PENDING,
-        }
-        if run_at is not None:
-            if not isinstance(run_at, datetime):
-                raise InvalidCall(f"run_at must be a datetime, not {type(run_at).__name__}")
-            if run_at.tzinfo is None or run_at.utcoffset() is None:
-                raise InvalidCall("run_at must carry a timezone (a naive datetime is ambiguous)")
-            fields["run_at"] = run_at
-        return self.model(**fields)
+        call = _clean_call(
+            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
+            max_attempts=max_attempts, queue=queue,
+        )
+        return self.model(**call.fields(PENDING))
 
     def send(
         self,
@@ -207,15 +239,21 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         queue: str | None = None,
     ) -> CallQueue:
         """Store one call in the caller's transaction and return the saved row."""
-        call = self.build(
-            method, params, keys=keys, priority=priority, run_at=run_at, max_attempts=max_attempts, queue=queue
+        call = _clean_call(
+            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
+            max_attempts=max_attempts, queue=queue,
         )
-        call.save(force_insert=True, using=self.db)
-        return call
+        db_connection = connections[self.db]
+        if db_connection.vendor == "postgresql":
+            return insert_one(self.model, self.db, db_connection, call, PENDING)
+        row = self.model(**call.fields(PENDING))
+        row.save(force_insert=True, using=self.db)
+        return row
 
     def send_many(self, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
         """Store many calls (each a dict of send()'s arguments) in one statement; all or none."""
-        built = []
+        settings = _SendSettings()
+        cleaned = []
         for index, spec in enumerate(calls):
             if not isinstance(spec, Mapping):
                 raise InvalidCall(f"call {index}: each call must be a dict of send() arguments")
@@ -225,12 +263,16 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if "method" not in spec:
                 raise InvalidCall(f"call {index}: 'method' is required")
             try:
-                built.append(self.build(**spec))
+                cleaned.append(_clean_call(settings, **spec))
             except InvalidCall as exc:
                 raise type(exc)(f"call {index}: {exc}") from exc
-        if not built:
+        if not cleaned:
             return []
-        return self.bulk_create(built)
+        db_connection = connections[self.db]
+        if db_connection.vendor == "postgresql":
+            # One statement: every row is stored or none, without a transaction of its own.
+            return insert_many(self.model, self.db, db_connection, cleaned, PENDING)
+        return self.bulk_create([self.model(**call.fields(PENDING)) for call in cleaned])
 
     # --- dispense ------------------------------------------------------------------------
 
