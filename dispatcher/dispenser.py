@@ -67,10 +67,13 @@ class Dispenser:
                 self.cursor = [k for k in key_sets if k in served][-1]
             waits = [v.until for v in claimed.verdicts.values() if v.blocked and v.until is not None]
         report.full = report.moved >= self.batch
-        upcoming = CallQueue.objects.next_due_at(db_now())
-        if upcoming is not None:
-            waits.append(upcoming)
-        report.next_at = min(waits) if waits else None
+        if not report.full:
+            # A full pass is followed by another at once; only a partial one needs to know
+            # when to look again.
+            upcoming = CallQueue.objects.next_due_at(db_now())
+            if upcoming is not None:
+                waits.append(upcoming)
+            report.next_at = min(waits) if waits else None
         if report.moved or report.put_back:
             log.info(
                 "dispense moved=%s published=%s put_back=%s key_sets=%s",

@@ -21,8 +21,8 @@ KEY_SETS = 3
 # transaction for all the key sets it serves: lock their keys, read the clock, count every
 # key's windows, claim the calls of every key set (one UPDATE ... RETURNING on PostgreSQL,
 # a SELECT and an UPDATE per key set on SQLite), move the counters (5 on PostgreSQL, plus
-# BEGIN/COMMIT); then the clock and the next due call (2). On PostgreSQL none of it depends on
-# how many calls or key sets the pass serves.
+# BEGIN/COMMIT); then, unless the pass filled its batch, the clock and the next due call (2).
+# On PostgreSQL none of it depends on how many calls or key sets the pass serves.
 PASS_QUERIES = {"postgresql": 11, "sqlite": 8 + 2 * KEY_SETS}
 # One worker run of a call with one limited key, from message to done: read the call's head
 # (1); start: lock the key, the policies and pattern pauses, the clock, the window count, then
