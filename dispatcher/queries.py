@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -437,7 +438,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         If the keys have no room now but will within ``may_wait``, nothing changes and the
         result says how long to wait before trying again ("early").
         """
-        head = self.filter(id=call_id).values_list("key_set", "status", "dispatch_no").first()
+        with connections[self.db].cursor() as cursor:
+            # Hand-written: read before any lock at every start, where the ORM's compilation
+            # would cost more than the query.
+            cursor.execute(
+                f"SELECT key_set, status, dispatch_no FROM {self.model._meta.db_table} WHERE id = %s", [call_id]
+            )
+            head = cursor.fetchone()
         if head is None:
             return Started("stale", reason="no such call")
         if head[1] != DISPATCHED or head[2] != dispatch_no:
@@ -540,28 +547,33 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         from dispatcher.models import Attempt
 
         keys = parse_key_set(call.key_set)
-        with transaction.atomic(using=self.db):
-            limiter.lock_keys(keys)
+        error = error[:MAX_ERROR_CHARS]
+        postgresql = connections[self.db].vendor == "postgresql"
+        # On PostgreSQL the finish is one statement, atomic by itself, that also locks the key
+        # rows (in key order). Its call row may be locked before them, the reverse of a start;
+        # only a rescue of this very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery
+        # racing its first start takes both the other way, and then PostgreSQL ends one of the
+        # two: a finish is retried by the worker, a duplicate start does nothing.
+        with transaction.atomic(using=self.db) if not postgresql else nullcontext():
+            if not postgresql:
+                limiter.lock_keys(keys)
             now = db_now()
             changes = {k: (v(now) if callable(v) else v) for k, v in changes.items()}
             # Wake dispensers when the call waits again, or when it may free a concurrency slot.
             wake = changes.get("status") == PENDING or (wake and bool(keys))
-            if connections[self.db].vendor == "postgresql":
-                won = self._finish_returning(call, attempt.id, keys, now, outcome, error[:MAX_ERROR_CHARS], changes, wake)
+            if postgresql:
+                won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
             else:
                 won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
-                    Attempt.objects.filter(id=attempt.id).update(
-                        finished_at=now, outcome=outcome, error=error[:MAX_ERROR_CHARS]
-                    )
+                    Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
                     limiter.adjust(keys, running=-1)
-            if not won:
-                # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
-                log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
-                return False
-            if wake and connections[self.db].vendor != "postgresql":
-                limiter.wake_dispensers()
-        return True
+                    if wake:
+                        limiter.wake_dispensers()
+        if not won:
+            # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
+            log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
+        return won
 
     def _finish_returning(
         self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
@@ -576,8 +588,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             field = self.model._meta.get_field(name)
             sets.append(f"{db.ops.quote_name(field.column)} = %s")
             values.append(field.get_db_prep_save(value, db))
+        # The key rows are locked in key order, as every other locker of several keys does;
+        # the counters' UPDATE only touches rows that "locked" already holds.
         sql = f"""
-            WITH finished AS (
+            WITH locked AS (
+                SELECT key FROM {KeyState._meta.db_table} WHERE key = ANY(%s::text[]) ORDER BY key FOR UPDATE
+            ), finished AS (
                 UPDATE {self.model._meta.db_table} SET {", ".join(sets)}
                 WHERE id = %s AND status = %s AND dispatch_no = %s
                 RETURNING id
@@ -586,14 +602,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 WHERE id = %s AND EXISTS (SELECT 1 FROM finished)
             ), counters AS (
                 UPDATE {KeyState._meta.db_table} SET running = running - 1
-                WHERE key = ANY(%s::text[]) AND EXISTS (SELECT 1 FROM finished)
+                WHERE key IN (SELECT key FROM locked) AND EXISTS (SELECT 1 FROM finished)
             ), wake AS (
                 SELECT pg_notify(%s, '') FROM finished WHERE %s
             )
             SELECT (SELECT COUNT(*) FROM finished), (SELECT COUNT(*) FROM wake)
         """
         params = [
-            *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id, keys,
+            keys, *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
             limiter.WAKE_CHANNEL, wake,
         ]
         with db.cursor() as cursor:

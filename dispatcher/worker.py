@@ -8,7 +8,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
@@ -18,17 +18,21 @@ from dispatcher.registry import get_handler
 
 log = logging.getLogger("dispatcher")
 
+T = TypeVar("T")
+
 # Waits for a slot a call was claimed ahead of, before the start defers it.
 EARLY_TRIES = 3
 # About 6 s of retries in all: long enough to ride out a failover or a killed connection.
 RECORD_TRIES = 6
 
 
-def _record(finish: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
-    """Record an attempt's outcome, reconnecting if the database connection was lost.
+def _record(finish: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Record a start or an attempt's outcome, retrying if the database connection was lost
+    or PostgreSQL ended the transaction to break a deadlock.
 
-    The handler has already run: giving up here would leave the call running until the
-    rescue sweep runs it again. The finish is a guarded update, so a retry is safe.
+    Giving up would leave the call dispatched or running until the rescue sweep returns it
+    (after a finish, with its handler already run). Starts and finishes are guarded updates,
+    so a retry is safe.
     """
     for tries in range(1, RECORD_TRIES + 1):
         try:
@@ -39,7 +43,7 @@ def _record(finish: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
             log.warning("record_retry finish=%s try=%s error=%r", finish.__name__, tries, exc)
             connection.close()
             time.sleep(min(0.2 * 2 ** (tries - 1), 2.0))
-    return False
+    raise AssertionError("unreachable")
 
 
 def _jsonable(value: Any) -> Any:
@@ -59,12 +63,12 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # for the slot here (briefly, holding no lock) rather than send the call back to wait.
     ahead = dispatcher_settings.DISPATCH_AHEAD
     for _ in range(EARLY_TRIES):
-        started = CallQueue.objects.start(call_id, dispatch_no, worker=worker, may_wait=ahead)
+        started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker, may_wait=ahead)
         if started.state != "early":
             break
         time.sleep(started.wait.total_seconds())
     else:
-        started = CallQueue.objects.start(call_id, dispatch_no, worker=worker)
+        started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker)
     if started.state != "started":
         log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, started.state, started.reason)
         return started.state
