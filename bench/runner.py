@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(ALL)}")
     mode_name = "full" if args.full else "quick"
-    machine = support.machine()
+    machine = {**support.machine(), **support.server_versions(redis_url)}
     rows: list[support.Figure] = []
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-logs-") as log_dir:

@@ -159,3 +159,19 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def server_versions(redis_url: str) -> dict[str, str]:
+    """Return the versions of the PostgreSQL and Redis servers the figures were taken against."""
+    import redis
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        versions = {"postgresql": cursor.fetchone()[0]}
+    client = redis.Redis.from_url(redis_url)
+    try:
+        versions["redis"] = client.info("server")["redis_version"]
+    finally:
+        client.close()
+    return versions
