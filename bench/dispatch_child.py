@@ -13,6 +13,8 @@ import time
 
 def main() -> None:
     broker_url, expected = sys.argv[1], int(sys.argv[2])
+    per_message = int(os.environ.get("DISPATCHER_CALLS_PER_MESSAGE", "1"))
+    messages = -(-expected // per_message)  # at least: a pass packs each queue's calls
     os.environ["CELERY_BROKER_URL"] = broker_url
     import django
 
@@ -51,7 +53,8 @@ def main() -> None:
     out["passes"] = passes
     out["moved"] = moved
     out["dispatched"] = CallQueue.objects.filter(status="dispatched").count()
-    out["in_broker"] = broker.wait_length(expected)
+    out["messages"] = messages
+    out["in_broker"] = broker.wait_length(messages)
     broker.purge()
     broker.delete()
     print(json.dumps(out))

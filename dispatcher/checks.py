@@ -18,6 +18,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
                 getattr(dispatcher_settings, name)
             except (TypeError, ValueError) as exc:
                 errors.append(Error(f"DISPATCHER_{name} is invalid: {exc}", id="dispatcher.E001"))
+    try:
+        if dispatcher_settings.CALLS_PER_MESSAGE < 1:
+            errors.append(Error("DISPATCHER_CALLS_PER_MESSAGE must be at least 1", id="dispatcher.E002"))
+    except (TypeError, ValueError):
+        pass  # reported above
     return errors
 
 

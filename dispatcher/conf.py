@@ -79,6 +79,10 @@ class DispatcherSettings:
     DISPENSE_INTERVAL = Setting("5s", parse_duration, "How often beat runs a dispense pass.")
     RESCUE_INTERVAL = Setting("30s", parse_duration, "How often beat runs the rescue sweep.")
     PRUNE_CRONTAB = Setting("0 3 * * *", str, "When beat runs prune_calls (cron: minute hour dom month dow).")
+    CALLS_PER_MESSAGE = Setting(
+        1, _as_int,
+        "Calls a dispenser puts in one Celery message; a worker runs them one after another.",
+    )
     DISPATCH_AHEAD = Setting(
         "100ms", parse_duration,
         "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",

@@ -183,35 +183,52 @@ class Waiter:
         self.reset()
 
 
-def publish_run_calls(calls: list[Claimed]) -> None:
-    """Publish one ``dispatcher.run_call`` message per call, as ``apply_async`` would, in one write.
+def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> None:
+    """Publish the claimed calls, as ``apply_async`` would, in one write.
 
-    The Celery message is built once per batch and copied per call (``apply_async`` rebuilds
-    it and re-reads the app's configuration for every message); one producer and broker
-    connection serve the batch, and ``producer.batch()`` pipelines the writes on Redis. Either
-    the whole batch is written or this raises: a caller puts every call of the batch back, and
-    any message that did reach the broker is stale (put back and the next claim change what it
-    expects) and does nothing. Celery's task_publish signals are not sent for these messages.
+    Each message carries one call (``dispatcher.run_call``) or, with
+    ``DISPATCHER_CALLS_PER_MESSAGE`` above 1, up to that many calls of one queue
+    (``dispatcher.run_calls``, run one after another by one worker process). The Celery
+    message is built once per task and copied per message (``apply_async`` rebuilds it and
+    re-reads the app's configuration every time); one producer and broker connection serve
+    the batch, and ``producer.batch()`` pipelines the writes on Redis. Either the whole batch
+    is written or this raises: a caller puts every call of the batch back, and any message that
+    did reach the broker is stale (put back and the next claim change what it expects) and does
+    nothing. Celery's task_publish signals are not sent for these messages.
     """
-    from dispatcher.tasks import run_call
+    from dispatcher.tasks import run_call, run_calls
 
     if not calls:
         return
+    per_message = max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE)
+    by_queue: dict[str, list[Claimed]] = {}
+    for call in calls:
+        by_queue.setdefault(call.queue, []).append(call)
+    messages = []
+    for queue_name, group in by_queue.items():
+        for start in range(0, len(group), per_message):
+            chunk = group[start : start + per_message]
+            if len(chunk) == 1:
+                messages.append((queue_name, run_call, [chunk[0].id, chunk[0].dispatch_no]))
+            else:
+                messages.append((queue_name, run_calls, [[[c.id, c.dispatch_no] for c in chunk]]))
     app = run_call.app
     amqp = app.amqp
-    template = amqp.as_task_v2("0", run_call.name, (0, 0), {}, ignore_result=True)
-    routes: dict[str, tuple[str, int]] = {}
-    with app.producer_or_acquire() as producer, producer.batch(max_size=max(1, len(calls))):
-        for call in calls:
-            route = routes.get(call.queue)
+    templates = {}
+    routes: dict[tuple[str, str], tuple[str, int]] = {}
+    with app.producer_or_acquire() as producer, producer.batch(max_size=len(messages)):
+        for queue_name, task, args in messages:
+            template = templates.get(task.name)
+            if template is None:
+                template = templates[task.name] = amqp.as_task_v2("0", task.name, args, {}, ignore_result=True)
+            route = routes.get((queue_name, task.name))
             if route is None:
-                options = amqp.router.route({"queue": call.queue} if call.queue else {}, run_call.name, (0, 0), {})
+                options = amqp.router.route({"queue": queue_name} if queue_name else {}, task.name, args, {})
                 queue = options["queue"]
                 producer.maybe_declare(queue)
                 mode = getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode
-                route = routes[call.queue] = (queue.name, mode)
+                route = routes[(queue_name, task.name)] = (queue.name, mode)
             task_id = str(uuid.uuid4())
-            args = [call.id, call.dispatch_no]
             headers = {**template.headers, "id": task_id, "root_id": task_id, "argsrepr": repr(tuple(args))}
             producer.publish(
                 json.dumps([args, {}, template.body[2]]),

@@ -21,6 +21,27 @@ def run_call(call_id: int, dispatch_no: int) -> str:
     return execute(call_id, dispatch_no)
 
 
+@shared_task(name="dispatcher.run_calls", ignore_result=True)
+def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
+    """Run several deliveries one after another (DISPATCHER_CALLS_PER_MESSAGE > 1)."""
+    from django.db import close_old_connections
+
+    from dispatcher.worker import execute
+
+    outcomes: dict[str, int] = {}
+    for call_id, dispatch_no in deliveries:
+        close_old_connections()
+        try:
+            state = execute(call_id, dispatch_no)
+        except Exception:
+            # One call's failure to start or record must not strand the others of the message;
+            # the rescue sweep returns this one.
+            log.exception("run_calls_failed call=%s dispatch=%s", call_id, dispatch_no)
+            state = "failed_to_record"
+        outcomes[state] = outcomes.get(state, 0) + 1
+    return outcomes
+
+
 @shared_task(name="dispatcher.dispense", ignore_result=True)
 def dispense(max_passes: int = 20) -> int:
     """Run dispense passes while each fills its batch (bounded); return calls moved."""

@@ -43,3 +43,12 @@ def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
     assert "dispatcher.W001" in [m.id for m in run_checks()]
     settings.CELERY_DB_REUSE_MAX = 1000
     assert "dispatcher.W001" not in [m.id for m in run_checks()]
+
+
+def test_check_refuses_fewer_than_one_call_per_message(settings):
+    from django.core.checks import run_checks
+
+    settings.DISPATCHER_CALLS_PER_MESSAGE = 0
+    assert "dispatcher.E002" in [m.id for m in run_checks()]
+    settings.DISPATCHER_CALLS_PER_MESSAGE = "many"
+    assert "dispatcher.E001" in [m.id for m in run_checks()]

@@ -1,0 +1,66 @@
+"""DISPATCHER_CALLS_PER_MESSAGE: several calls in one Celery message, run one after another."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+
+from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
+from tests.fakeapi import max_in_window
+from tests.procs import wait_until
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+
+def _calls_per_message(procs) -> list[int]:
+    """How many calls each message the workers ran carried, read from their full logs."""
+    logs = "".join(path.read_text(errors="replace") for _, path in procs.procs)
+    single = len(re.findall(r"Task dispatcher\.run_call\[[^\]]+\] succeeded", logs))
+    batched = [
+        sum(int(n) for n in re.findall(r": (\d+)", outcome))
+        for outcome in re.findall(r"Task dispatcher\.run_calls\[[^\]]+\] succeeded in [\d.]+s: \{([^}]*)\}", logs)
+    ]
+    return [1] * single + batched
+
+
+def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, fake_api):
+    RateLimit.objects.set_policy("partner", 5, timedelta(seconds=1))
+    calls = [
+        CallQueue.objects.send(
+            "http", {"method": "GET", "url": f"{fake_api.url}/ok/{i}"}, keys=["partner"]
+        )
+        for i in range(10)
+    ]
+    env = {"DISPATCHER_CALLS_PER_MESSAGE": "4"}
+    procs.worker(procs.queue, concurrency=2, extra_env=env)
+    procs.dispenser(extra_env=env)
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 10, timeout=60), procs.logs()
+
+    # Every call travelled in some message, none carried more than 4, and some carried several.
+    sizes = _calls_per_message(procs)
+    assert sum(sizes) == 10 and max(sizes) <= 4 and len(sizes) < 10, (sizes, procs.logs())
+    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {c.id: 1 for c in calls}
+    assert sum(fake_api.counters[f"/ok/{i}"] for i in range(10)) == 10
+    starts = [t.timestamp() for t in KeyStart.objects.filter(key="partner").values_list("started_at", flat=True)]
+    assert max_in_window(starts, 1.0) <= 5
+
+
+def test_a_stale_delivery_in_a_message_does_not_stop_the_others(procs, fake_api):
+    from kombu import Connection
+
+    from dispatcher.limiter import Policies
+    from dispatcher.tasks import run_calls
+
+    first, second = (
+        CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/ok/{i}"}) for i in range(2)
+    )
+    claimed = CallQueue.objects.claim(first.key_set, 2, Policies.load()).calls
+    stale = [claimed[0].id, claimed[0].dispatch_no + 7]
+    with Connection(procs.env["CELERY_BROKER_URL"]) as conn:
+        run_calls.apply_async(([stale, *([c.id, c.dispatch_no] for c in claimed)],), queue=procs.queue, connection=conn)
+    procs.worker(procs.queue, concurrency=1)
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 2, timeout=30), procs.logs()
+    assert f"run_skipped call={first.id}" in procs.logs()
+    assert Attempt.objects.filter(call__in=[first, second]).count() == 2
