@@ -20,7 +20,6 @@ from dispatcher.queries import Claimed
 
 log = logging.getLogger("dispatcher")
 
-WAKE_CHANNEL = limiter.WAKE_CHANNEL
 
 
 @dataclass
@@ -141,7 +140,7 @@ class Waiter:
             params.pop("cursor_factory", None)
             params.pop("context", None)
             self.conn = psycopg.connect(**params, autocommit=True)
-            self.conn.execute(f"LISTEN {WAKE_CHANNEL}")
+            self.conn.execute(f"LISTEN {limiter.WAKE_CHANNEL}")
         return self.conn
 
     def wait(self, timeout: float, stop: threading.Event) -> None:

@@ -230,9 +230,9 @@ def check_key(
     if they had started; at the start itself only real starts and running calls count.
     ``counts`` are the key's window counts if already read (see ``window_counts``).
     """
-    paused = [t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now]
-    if paused:
-        return Verdict(room=0, until=max(paused), reason="paused", key=key)
+    paused_until = _paused_until(key, state, now, policies)
+    if paused_until is not None:
+        return Verdict(room=0, until=paused_until, reason="paused", key=key)
     governing = policies.for_key(key)
     if not governing:
         return Verdict(room=UNLIMITED)
@@ -274,7 +274,7 @@ def check_each_key(
     # A paused key needs no count: nothing is admitted until the pause ends.
     to_count = {
         k: governing for k, governing in governed.items()
-        if governing and not _is_paused(k, states[k], now, policies)
+        if governing and _paused_until(k, states[k], now, policies) is None
     }
     counts = window_counts(to_count, now)
     return {
@@ -283,8 +283,10 @@ def check_each_key(
     }
 
 
-def _is_paused(key: str, state: models.Model, now: datetime, policies: Policies) -> bool:
-    return any(t is not None and t > now for t in (state.paused_until, policies.pattern_pause(key)))
+def _paused_until(key: str, state: models.Model, now: datetime, policies: Policies) -> datetime | None:
+    """Return when the key's own pause or its pattern's ends, if one lasts beyond now."""
+    paused = [t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now]
+    return max(paused, default=None)
 
 
 def check_keys(

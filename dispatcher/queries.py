@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
@@ -507,7 +506,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         from dispatcher.models import Attempt, KeyStart, KeyState
 
         fields = self.model._meta.concrete_fields
-        columns = ", ".join(f"started.{connection.ops.quote_name(f.column)}" for f in fields)
+        columns = ", ".join(f"started.{connections[self.db].ops.quote_name(f.column)}" for f in fields)
         sql = f"""
             WITH started AS (
                 UPDATE {self.model._meta.db_table}
@@ -548,22 +547,20 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
         keys = parse_key_set(call.key_set)
         error = error[:MAX_ERROR_CHARS]
-        postgresql = connections[self.db].vendor == "postgresql"
-        # On PostgreSQL the finish is one statement, atomic by itself, that also locks the key
-        # rows (in key order). Its call row may be locked before them, the reverse of a start;
-        # only a rescue of this very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery
-        # racing its first start takes both the other way, and then PostgreSQL ends one of the
-        # two: a finish is retried by the worker, a duplicate start does nothing.
-        with transaction.atomic(using=self.db) if not postgresql else nullcontext():
-            if not postgresql:
-                limiter.lock_keys(keys)
+        if connections[self.db].vendor == "postgresql":
+            # One statement, atomic by itself, that also locks the key rows (in key order). Its
+            # call row may be locked before them, the reverse of a start; only a rescue of this
+            # very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first
+            # start takes both the other way, and then PostgreSQL ends one of the two: a finish
+            # is retried by the worker, a duplicate start does nothing.
             now = db_now()
-            changes = {k: (v(now) if callable(v) else v) for k, v in changes.items()}
-            # Wake dispensers when the call waits again, or when it may free a concurrency slot.
-            wake = changes.get("status") == PENDING or (wake and bool(keys))
-            if postgresql:
-                won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
-            else:
+            changes, wake = self._finish_changes(changes, now, keys, wake)
+            won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
+        else:
+            with transaction.atomic(using=self.db):
+                limiter.lock_keys(keys)
+                now = db_now()
+                changes, wake = self._finish_changes(changes, now, keys, wake)
                 won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
                     Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
@@ -574,6 +571,15 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
             log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
         return won
+
+    @staticmethod
+    def _finish_changes(
+        changes: dict[str, Any], now: datetime, keys: list[str], wake: bool
+    ) -> tuple[dict[str, Any], bool]:
+        """Resolve the changes that depend on the finish time; say whether to wake dispensers."""
+        changes = {k: (v(now) if callable(v) else v) for k, v in changes.items()}
+        # Wake dispensers when the call waits again, or when it may free a concurrency slot.
+        return changes, changes.get("status") == PENDING or (wake and bool(keys))
 
     def _finish_returning(
         self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
