@@ -28,6 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall
+from dispatcher.validation import MAX_JSON_DEPTH, json_text_depth
 
 MAX_BODY_BYTES = 1024 * 1024
 SEND_FIELDS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue"}
@@ -120,6 +121,9 @@ def enqueue(request: HttpRequest) -> JsonResponse:
         return _error(415, "send a JSON body with Content-Type: application/json")
     if len(request.body) > MAX_BODY_BYTES:
         return _error(413, f"body larger than {MAX_BODY_BYTES} bytes")
+    # Python's JSON parser recurses once per level: measure the nesting before parsing.
+    if json_text_depth(request.body, limit=MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH + 1:
+        return _error(400, f"body is nested too deeply (more than {MAX_JSON_DEPTH + 1} levels)")
     try:
         body = json.loads(request.body)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
 
 
@@ -12,8 +13,11 @@ class DispatcherConfig(AppConfig):
 
         from dispatcher import checks  # noqa: F401 - registers system checks
         from dispatcher.beat import connect_beat_signals, on_post_migrate
+        from dispatcher.storedtimes import install as read_stored_times_within_bounds
 
         # Import every installed app's ``handlers`` module, as the admin does with ``admin``.
         autodiscover_modules("handlers")
         post_migrate.connect(on_post_migrate, sender=self)
         connect_beat_signals()
+        # Rows stored with a timestamp Python cannot read are read as a bound, not an error.
+        connection_created.connect(read_stored_times_within_bounds, dispatch_uid="dispatcher.storedtimes")

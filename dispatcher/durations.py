@@ -4,18 +4,23 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 
+from dispatcher.validation import MAX_DURATION
+
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 
 
 def parse_duration(text: str | int | float | timedelta) -> timedelta:
     """Return the timedelta written as ``1h30m``, ``500ms`` or a number of seconds."""
-    if isinstance(text, timedelta):
-        return text
     if isinstance(text, bool):
         raise ValueError(f"not a duration: {text!r}")
-    if isinstance(text, (int, float)):
-        seconds = float(text)
+    if isinstance(text, timedelta):
+        seconds = text.total_seconds()
+    elif isinstance(text, (int, float)):
+        try:
+            seconds = float(text)
+        except OverflowError:  # an int past float's range
+            raise ValueError(f"duration out of range: {_shown(text)}") from None
     else:
         raw = str(text).strip().lower().replace(" ", "")
         if not raw:
@@ -31,11 +36,15 @@ def parse_duration(text: str | int | float | timedelta) -> timedelta:
                 pos = match.end()
             if pos != len(raw) or pos == 0:
                 raise ValueError(
-                    f"not a duration: {text!r}; write it like 500ms, 2s, 5m, 1h or 1d"
+                    f"not a duration: {_shown(text)}; write it like 500ms, 2s, 5m, 1h or 1d"
                 )
-    if seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds > 10 * 365 * 86400:
-        raise ValueError(f"duration out of range: {text!r}")
-    return timedelta(seconds=seconds)
+    # Bounded both ways (dispatcher.validation.MAX_DURATION, about 10 years): a moment plus or
+    # minus any accepted duration stays a moment Python and PostgreSQL can both read.
+    if seconds != seconds or abs(seconds) > MAX_DURATION.total_seconds():
+        raise ValueError(f"duration out of range: {_shown(text)} (at most {MAX_DURATION.days} days)")
+    if seconds < 0:
+        raise ValueError(f"duration cannot be negative: {_shown(text)}")
+    return text if isinstance(text, timedelta) else timedelta(seconds=seconds)
 
 
 def parse_positive_duration(text: str | int | float | timedelta) -> timedelta:
@@ -65,3 +74,9 @@ def format_duration(value: timedelta | float | None) -> str:
     if rest or not parts:
         parts.append(f"{rest:g}s")
     return "".join(parts)
+
+
+def _shown(text: object) -> str:
+    """Quote a refused input for a message, cut short (it may be megabytes long)."""
+    shown = repr(text)
+    return shown if len(shown) <= 60 else shown[:57] + "..."

@@ -20,6 +20,7 @@ from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, parse_key_set, resolve_keys
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
+from dispatcher.validation import OutOfBounds, check_json, check_moment
 
 if TYPE_CHECKING:
     from dispatcher.models import Attempt, CallQueue
@@ -91,6 +92,12 @@ def _clean_params(params: Any, limit: int) -> tuple[dict[str, Any], str]:
         return {}, "{}"
     if not isinstance(params, dict):
         raise InvalidParams(f"params must be a JSON object (a dict), not {type(params).__name__}")
+    # Depth, item count and NUL first, without recursion: encoding recurses, and PostgreSQL's
+    # jsonb refuses a NUL (only a real one: the text backslash-u0000 is fine).
+    try:
+        check_json(params, what="params")
+    except OutOfBounds as exc:
+        raise InvalidParams(str(exc)) from None
     try:
         text = _params_json.encode(params)
     except RecursionError:
@@ -101,8 +108,6 @@ def _clean_params(params: Any, limit: int) -> tuple[dict[str, Any], str]:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidParams("params contain text that is not valid Unicode") from None
-    if "\\u0000" in text:
-        raise InvalidParams("params cannot contain NUL characters")
     if size > limit:
         raise InvalidParams(f"params are {size} bytes as JSON; the limit is {limit} (DISPATCHER_MAX_PARAMS_BYTES)")
     # Store what JSON would give back, so the handler sees the same params on every attempt.
@@ -169,8 +174,11 @@ def _clean_call(
     if run_at is not None:
         if not isinstance(run_at, datetime):
             raise InvalidCall(f"run_at must be a datetime, not {type(run_at).__name__}")
-        if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise InvalidCall("run_at must carry a timezone (a naive datetime is ambiguous)")
+        try:
+            # A timezone, a year a stored row can be read back in; in UTC (PostgreSQL refuses offsets past 15:59).
+            run_at = check_moment(run_at)
+        except OutOfBounds as exc:
+            raise InvalidCall(str(exc)) from None
     return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import reprlib
 import socket
 import time
 import traceback
@@ -15,6 +16,7 @@ from django.db import InterfaceError, OperationalError, connection
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.registry import get_handler
+from dispatcher.validation import check_json
 
 log = logging.getLogger("dispatcher")
 
@@ -47,11 +49,13 @@ def _record(finish: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 def _jsonable(value: Any) -> Any:
+    """Return a handler's result if it stores as JSON within the bounds, else a short repr of it."""
     try:
+        check_json(value, what="results")
         json.dumps(value, allow_nan=False)
         return value
-    except (TypeError, ValueError):
-        return {"repr": repr(value)[:4096]}
+    except (TypeError, ValueError):  # OutOfBounds is a ValueError
+        return {"repr": reprlib.repr(value)[:4096]}
 
 
 def execute(call_id: int, dispatch_no: int) -> str:

@@ -26,3 +26,11 @@ def explode(permanent: bool = False, **params: Any) -> None:
     if permanent:
         raise PermanentError("cannot be done")
     raise RuntimeError("boom")
+
+
+@handler("deep_result")
+def deep_result(depth: int = 5_000) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value

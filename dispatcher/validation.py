@@ -1,0 +1,106 @@
+"""Bounds on what callers may hand us: JSON shape (depth, items, NUL) and moments in time.
+
+Pure functions, no database: ``send()``, ``send_many()``, the JSON API, the worker (a
+handler's result) and the commands all call these, so every entry point refuses the same
+input with the same words. Every walk here is iterative, so no input can exhaust the stack.
+"""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+# Deeper than any real API payload; far below Python's recursion limit (1000), which the json
+# module, Django's JSONField and the admin's pretty printer all recurse into.
+MAX_JSON_DEPTH = 32
+# Values (containers, keys and scalars) in one document; the byte limits bound size as text.
+MAX_JSON_ITEMS = 100_000
+
+# Moments a call may be given (run_at). Wide enough for any real schedule; narrow enough that
+# adding any duration the dispatcher accepts (at most MAX_DURATION) stays within what Python's
+# datetime (years 1-9999) and PostgreSQL's timestamptz can both read back.
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+# Longest duration accepted anywhere (settings, --for, --per, --older-than, admin forms).
+MAX_DURATION = timedelta(days=3650)
+
+
+class OutOfBounds(ValueError):
+    """A value outside the bounds above."""
+
+
+def check_json(value: Any, *, what: str = "value", max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> None:
+    """Raise OutOfBounds if a JSON-like value nests deeper than ``max_depth``, holds too many items or a NUL."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    items = 0
+    while stack:
+        node, depth = stack.pop()
+        items += 1
+        if items > max_items:
+            raise OutOfBounds(f"{what} hold more than {max_items} values")
+        if isinstance(node, str):
+            if "\x00" in node:
+                raise OutOfBounds(f"{what} cannot contain NUL characters")
+            continue
+        if isinstance(node, dict):
+            children: Any = node.values()
+            for key in node:
+                if isinstance(key, str) and "\x00" in key:
+                    raise OutOfBounds(f"{what} cannot contain NUL characters")
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            raise OutOfBounds(f"{what} are nested too deeply (more than {max_depth} levels)")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def json_text_depth(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> int:
+    """Return how deep a JSON text nests, scanning it once; stop counting past ``limit`` + 1.
+
+    Run before ``json.loads``, whose recursive parser a deep enough text would overflow.
+    """
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    return deepest
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
+def check_moment(value: datetime, *, what: str = "run_at") -> datetime:
+    """Return an aware datetime within EARLIEST..LATEST in UTC, else raise OutOfBounds."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise OutOfBounds(f"{what} must carry a timezone (a naive datetime is ambiguous)")
+    # Compared without converting: turning 0001-01-01T00:00+01:00 into UTC would itself overflow.
+    try:
+        inside = EARLIEST <= value < LATEST
+    except OverflowError:
+        inside = False
+    if not inside:
+        raise OutOfBounds(f"{what} must be between {EARLIEST:%Y-%m-%d} and {LATEST:%Y-%m-%d} (UTC), not {value.isoformat()}")
+    return value.astimezone(UTC)
+
+
+def check_duration(value: timedelta, *, what: str = "duration") -> timedelta:
+    """Return a duration no longer than MAX_DURATION either way, else raise OutOfBounds."""
+    if abs(value) > MAX_DURATION:
+        raise OutOfBounds(f"{what} out of range: longer than {MAX_DURATION.days} days")
+    return value
