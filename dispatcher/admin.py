@@ -23,6 +23,24 @@ from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
 from dispatcher.models import CallQueue, KeyState, RateLimit
 from dispatcher.redact import redact
 
+MAX_ID = 2**63 - 1
+# Search in params looks at this many of the newest calls whose stored params contain the text.
+PARAMS_SEARCH_CANDIDATES = 200
+
+
+def _params_matching(queryset: QuerySet, term: str) -> list[int]:
+    """Return ids of calls whose params, as the admin shows them (redacted), contain the term.
+
+    The database finds candidates in the stored text; each is kept only if the term is also in
+    its redacted text, so no search can probe a redacted value one character at a time.
+    """
+    needle = term.casefold()
+    candidates = queryset.filter(params__icontains=term).order_by("-id").values_list("id", "params")
+    return [
+        call_id for call_id, params in candidates[:PARAMS_SEARCH_CANDIDATES]
+        if needle in json.dumps(redact(params), ensure_ascii=False, default=str).casefold()
+    ]
+
 
 def _pretty_json(value: Any) -> str:
     return format_html("<pre>{}</pre>", json.dumps(redact(value), indent=2, sort_keys=True, default=str))
@@ -101,7 +119,7 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try"]
     list_filter = [CallStateFilter, "status", "method", KeyFilter]
     search_fields = ["method"]
-    search_help_text = "Search by call id or by text in the method or params."
+    search_help_text = "Search by call id, or by text in the method, keys or params (secret values are never searched)."
     ordering = ["-id"]
     list_per_page = 50
     show_full_result_count = False
@@ -113,12 +131,15 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     ]
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
-        term = search_term.strip()
+        # A NUL is refused by PostgreSQL's text type, and no stored text holds one.
+        term = search_term.replace("\x00", "").strip()
         if not term:
             return queryset, False
-        query = Q(method__icontains=term) | Q(params__icontains=term)
-        if term.lstrip("#").isdigit():
-            query |= Q(id=int(term.lstrip("#")))
+        query = Q(method__icontains=term) | Q(key_set__icontains=term) | Q(id__in=_params_matching(queryset, term))
+        number = term.removeprefix("#")
+        # ASCII digits only ("²" is a digit to isdigit()), and within the id column's range.
+        if number.isascii() and number.isdigit() and len(number) <= 19 and int(number) <= MAX_ID:
+            query |= Q(id=int(number))
         return queryset.filter(query), False
 
     def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict | None = None) -> HttpResponse:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import string
+import unicodedata
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -14,7 +14,10 @@ MAX_KEY_LENGTH = 200
 MAX_KEYS = 8
 
 _formatter = string.Formatter()
-_CONTROL_CHARACTER = re.compile("[\x00-\x1f\x7f]")
+# Characters a key may not hold, by Unicode category: control (Cc), format (Cf: bidi overrides
+# such as U+202E, zero-width U+200B-U+200D, U+FEFF), surrogate (Cs), line and paragraph separators
+# (Zl, Zp). Each would make two keys look the same in the admin, or one key look like another.
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 # json.dumps builds a new encoder whenever it is given options; this one is built once.
 _compact_json = json.JSONEncoder(separators=(",", ":"))
 
@@ -43,10 +46,10 @@ def validate_key(key: Any) -> str:
         raise InvalidKey(f"key longer than {MAX_KEY_LENGTH} characters: {key[:40]!r}...")
     if "*" in key:
         raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
-    if _CONTROL_CHARACTER.search(key):
-        raise InvalidKey(f"a key cannot contain control characters: {key!r}")
     if not _is_unicode(key):
         raise InvalidKey(f"a key must be valid Unicode text: {key!r}")
+    if _has_invisible(key):
+        raise InvalidKey(f"a key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
     return key
 
 
@@ -56,14 +59,19 @@ def resolve_keys(templates: Iterable[str], extra: Iterable[str] | None, params: 
     for template in templates:
         keys.append(validate_key(format_key(template, params)))
     if extra is not None:
-        if isinstance(extra, (str, bytes)):
-            raise InvalidKey("keys must be a list of strings, not a single string")
+        if isinstance(extra, (str, bytes, Mapping)):
+            raise InvalidKey(f"keys must be a list of strings, not {type(extra).__name__}")
         for key in extra:
             keys.append(validate_key(key))
     unique = list(dict.fromkeys(keys))
     if len(unique) > MAX_KEYS:
         raise InvalidKey(f"a call may have at most {MAX_KEYS} keys, got {len(unique)}")
     return unique
+
+
+def _has_invisible(text: str) -> bool:
+    """Whether the text holds a character of a category in _INVISIBLE_CATEGORIES."""
+    return any(unicodedata.category(char) in _INVISIBLE_CATEGORIES for char in text)
 
 
 def _is_unicode(text: str) -> bool:
@@ -102,10 +110,10 @@ def validate_policy_key(key: Any) -> str:
         raise ValueError(f"policy key longer than {MAX_KEY_LENGTH} characters")
     if "*" in key[:-1]:
         raise ValueError(f"'*' may only end a pattern, as in 'mailgun:*': {key!r}")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in key):
-        raise ValueError(f"a policy key cannot contain control characters: {key!r}")
     if not _is_unicode(key):
         raise ValueError(f"a policy key must be valid Unicode text: {key!r}")
+    if _has_invisible(key):
+        raise ValueError(f"a policy key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
     return key
 
 
