@@ -21,7 +21,7 @@ from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
 from dispatcher.models import CallQueue, KeyState, RateLimit
-from dispatcher.redact import redact
+from dispatcher.redact import redact, redact_text
 
 MAX_ID = 2**63 - 1
 # Search in params looks at this many of the newest calls whose stored params contain the text.
@@ -127,7 +127,7 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     fields = [
         "method", "state_label", "why_waiting", "keys_label", "priority", "queue", "attempts_label", "deferrals",
         "run_at", "created_at", "dispatched_at", "started_at", "finished_at", "params_shown", "result_shown",
-        "last_error", "traceback_shown", "attempt_history",
+        "error_shown", "traceback_shown", "attempt_history",
     ]
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
@@ -202,9 +202,13 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     def result_shown(self, call: CallQueue) -> str:
         return _pretty_json(call.result) if call.result is not None else "-"
 
+    @admin.display(description="last error")
+    def error_shown(self, call: CallQueue) -> str:
+        return redact_text(call.last_error) or "-"
+
     @admin.display(description="traceback")
     def traceback_shown(self, call: CallQueue) -> str:
-        return format_html("<pre>{}</pre>", call.last_traceback) if call.last_traceback else "-"
+        return format_html("<pre>{}</pre>", redact_text(call.last_traceback)) if call.last_traceback else "-"
 
     @admin.display(description="attempt history")
     def attempt_history(self, call: CallQueue) -> str:
@@ -217,7 +221,7 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
             (
                 (a.number, f"{a.started_at:%Y-%m-%d %H:%M:%S.%f}"[:-3],
                  format_duration(a.finished_at - a.started_at) if a.finished_at else "-",
-                 a.get_outcome_display(), a.error[:500] or "-", a.worker or "-")
+                 a.get_outcome_display(), redact_text(a.error[:500]) or "-", a.worker or "-")
                 for a in attempts
             ),
         )

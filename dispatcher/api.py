@@ -28,6 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall
+from dispatcher.redact import redact, redact_text
 from dispatcher.validation import MAX_JSON_DEPTH, json_text_depth
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -96,8 +97,8 @@ def call_data(call: Any) -> dict[str, Any]:
         "run_at": call.run_at.isoformat() if call.run_at else None,
         "created_at": call.created_at.isoformat() if call.created_at else None,
         "finished_at": call.finished_at.isoformat() if call.finished_at else None,
-        "result": call.result,
-        "last_error": call.last_error,
+        "result": redact(call.result),
+        "last_error": redact_text(call.last_error),
     }
     if call.status == "pending":
         explanation = explain_call(call)

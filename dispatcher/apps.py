@@ -1,3 +1,5 @@
+import logging
+
 from django.apps import AppConfig
 from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
@@ -13,6 +15,7 @@ class DispatcherConfig(AppConfig):
 
         from dispatcher import checks  # noqa: F401 - registers system checks
         from dispatcher.beat import connect_beat_signals, on_post_migrate
+        from dispatcher.redact import RedactingFilter
         from dispatcher.storedtimes import install as read_stored_times_within_bounds
 
         # Import every installed app's ``handlers`` module, as the admin does with ``admin``.
@@ -21,3 +24,8 @@ class DispatcherConfig(AppConfig):
         connect_beat_signals()
         # Rows stored with a timestamp Python cannot read are read as a bound, not an error.
         connection_created.connect(read_stored_times_within_bounds, dispatch_uid="dispatcher.storedtimes")
+        # Log lines and tracebacks (the dispatcher's own, Celery's for a task that raised, a 500's) are redacted.
+        for name in ("dispatcher", "celery.app.trace", "django.request"):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+                logger.addFilter(RedactingFilter())

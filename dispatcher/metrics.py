@@ -30,6 +30,7 @@ from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
+from dispatcher.redact import redact_text
 
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
 
@@ -63,6 +64,7 @@ class DispatcherCollector(Collector):
         )
         for text, status, n in live_rows:
             for key in parse_key_set(text) or [""]:
+                key = redact_text(key)  # a key may embed a credential (a URL with ?api_key=...)
                 depth[(key, status)] = depth.get((key, status), 0) + n
         for (key, status), n in sorted(depth.items()):
             by_key.add_metric([key, status], n)
@@ -127,13 +129,14 @@ class DispatcherCollector(Collector):
         in_flight = GaugeMetricFamily("dispatcher_key_in_flight", "Calls dispatched or running, by key.", labels=["key"])
         paused = GaugeMetricFamily("dispatcher_key_paused", "1 while a key is paused.", labels=["key"])
         for s in statuses:
+            key = redact_text(s.key)
             for p in s.policies:
-                labels = [s.key, f"{p.period.total_seconds():g}"]
+                labels = [key, f"{p.period.total_seconds():g}"]
                 utilisation.add_metric(labels, p.utilisation)
                 used.add_metric(labels, p.used)
                 limit.add_metric(labels, p.limit)
-            in_flight.add_metric([s.key], s.in_flight)
-            paused.add_metric([s.key], 1 if s.paused_until else 0)
+            in_flight.add_metric([key], s.in_flight)
+            paused.add_metric([key], 1 if s.paused_until else 0)
         yield from (utilisation, used, limit, in_flight, paused)
 
 

@@ -34,3 +34,8 @@ def deep_result(depth: int = 5_000) -> list:
     for _ in range(depth):
         value = [value]
     return value
+
+
+@handler("leaky")
+def leaky(url: str) -> None:
+    raise RuntimeError(f"GET {url} failed; sent X-Access-Key: AKIA-LEAK-1 and client_secret=LEAK-2")

@@ -1,0 +1,103 @@
+"""Secrets in URLs, form data and headers are redacted in the admin, the API, the logs and the metrics."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import Permission, User
+from django.test import Client
+
+from dispatcher.clock import db_now
+from dispatcher.exceptions import InvalidParams
+from dispatcher.models import Attempt, CallQueue
+from dispatcher.redact import REDACTED, redact, redact_text
+from tests.procs import wait_until
+
+SECRETS = ["SEKRIT-1", "SEKRIT-2", "SEKRIT-3", "SEKRIT-4", "SEKRIT-5", "SEKRIT-6"]
+PARAMS = {
+    "url": "https://api.example.com/v1/items?api_key=SEKRIT-1&page=2&signature=SEKRIT-2",
+    "data": "grant_type=client_credentials&client_secret=SEKRIT-3",
+    "headers": {"X-Access-Key": "SEKRIT-4", "X-Request-Id": "req-7"},
+    "callback": "https://hooks.example.com/x?token=SEKRIT-5&sig=SEKRIT-6",
+}
+ERROR = "HTTPStatusError: 500 for url 'https://api.example.com/v1?api_key=SEKRIT-1'\nX-Access-Key: SEKRIT-4"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("https://h/p?api_key=abc&q=1", f"https://h/p?api_key={REDACTED}&q=1"),
+        ("https://h/p?token=abc#frag", f"https://h/p?token={REDACTED}#frag"),
+        ("https://h/p?X-Amz-Signature=abc&X-Amz-Credential=def", f"https://h/p?X-Amz-Signature={REDACTED}&X-Amz-Credential={REDACTED}"),
+        ("https://h/p?key=AIza123&keys=a", f"https://h/p?key={REDACTED}&keys=a"),
+        ("client_id=app&client_secret=xyz", f"client_id=app&client_secret={REDACTED}"),
+        ("https://ada:hunter2@h/", f"https://ada:{REDACTED}@h/"),
+        ("X-Access-Key: AKIA\nAccept: */*", f"X-Access-Key: {REDACTED}\nAccept: */*"),
+        ('{"password": "hunter2", "user": "ada"}', f'{{"password": "{REDACTED}", "user": "ada"}}'),
+        ("Illegal header value b'Bearer abc\\n'", f"Illegal header value b'Bearer {REDACTED}\\n'"),
+        ("the token expired", "the token expired"),
+        ("RuntimeError: boom", "RuntimeError: boom"),
+        ("sent X-Access-Key: AKIA1 and more", f"sent X-Access-Key: {REDACTED} and more"),
+        ("https://h/x and http://h:8080/y", "https://h/x and http://h:8080/y"),
+    ],
+)
+def test_redact_text_hides_secret_values_and_keeps_the_rest(text, expected):
+    assert redact_text(text) == expected
+
+
+def test_redact_hides_secrets_inside_strings_of_params():
+    shown = str(redact(PARAMS))
+    assert not any(secret in shown for secret in SECRETS)
+    assert "page=2" in shown and "req-7" in shown and "grant_type=client_credentials" in shown
+
+
+def test_the_http_handler_refuses_a_credential_header_in_clear(settings):
+    settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
+    with pytest.raises(InvalidParams, match="credential"):
+        CallQueue.objects.send("http", {"method": "GET", "url": "http://127.0.0.1/", "headers": {"X-Access-Key": "k"}})
+
+
+@pytest.mark.django_db
+def test_admin_and_api_show_no_secret_from_params_result_error_traceback_or_attempts(settings):
+    settings.DISPATCHER_API_TOKENS = "api-token"
+    call = CallQueue.objects.send("noop", PARAMS, keys=["partner"])
+    CallQueue.objects.filter(id=call.id).update(
+        status="failed", last_error=ERROR, last_traceback=f"Traceback ...\n{ERROR}",
+        result={"echo": PARAMS["url"]}, finished_at=db_now(),
+    )
+    now = db_now()
+    Attempt.objects.create(call=call, number=1, started_at=now - timedelta(seconds=1), finished_at=now, outcome="error", error=ERROR)
+    user = User.objects.create_user("viewer", password="pw", is_staff=True)
+    user.user_permissions.add(Permission.objects.get(content_type__app_label="dispatcher", codename="view_callqueue"))
+    client = Client()
+    client.force_login(user)
+    page = client.get(f"/admin/dispatcher/callqueue/{call.id}/change/").content.decode()
+    api = client.get(f"/api/calls/{call.id}/", HTTP_AUTHORIZATION="Bearer api-token").content.decode()
+    for shown in (page, api):
+        assert not [secret for secret in SECRETS if secret in shown]
+        assert "HTTPStatusError: 500" in shown
+    assert "req-7" in page and "page=2" in page
+    # Nor can a search find a call by a secret's text.
+    found = client.get("/admin/dispatcher/callqueue/", {"q": "SEKRIT"}).context["cl"].result_list
+    assert list(found) == []
+
+
+@pytest.mark.django_db
+def test_metrics_labels_carry_no_secret(client, settings):
+    settings.DISPATCHER_METRICS_TOKENS = "m-token"
+    CallQueue.objects.send("noop", {}, keys=["https://h/?api_key=SEKRIT-1"])
+    text = client.get("/metrics", HTTP_AUTHORIZATION="Bearer m-token").content.decode()
+    assert "dispatcher_queue_depth" in text and "SEKRIT-1" not in text and "api_key=********" in text
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_real_workers_log_lines_carry_no_secret(procs):
+    call = CallQueue.objects.send("leaky", {"url": "https://api.example.com/v1?api_key=SEKRIT-1"}, max_attempts=1)
+    procs.worker(procs.queue, concurrency=1)
+    procs.dispenser()
+    assert wait_until(lambda: CallQueue.objects.get(id=call.id).status == "failed", timeout=60, interval=0.3), procs.logs()
+    logs = procs.logs()
+    assert f"call={call.id}" in logs and "api_key=********" in logs
+    leaks = [line for line in logs.splitlines() if "SEKRIT-1" in line or "LEAK-" in line]
+    assert leaks == []
