@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("DISPATCHER_VAR_DIR", BASE_DIR / "var"))
@@ -25,8 +26,21 @@ def env_list(name: str, default: str = "") -> list[str]:
 
 
 DEBUG = env_bool("DJANGO_DEBUG", False)
-# The insecure fallback key only serves the embedded default; production sets its own.
-SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "insecure-dev-key-change-me")
+# The insecure fallback key only serves the embedded default (SQLite, no DATABASE_URL or a
+# sqlite:// one): `make demo`, `make run` and a first look need no setup. A configuration on a
+# database server is production, and refuses to start without a key of its own.
+DEVELOPMENT_SECRET_KEY = "insecure-dev-key-change-me"
+PLACEHOLDER_SECRET_KEYS = {DEVELOPMENT_SECRET_KEY, "change-me-in-production", "change-me", "changeme", "secret"}
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "").strip()
+if not SECRET_KEY or SECRET_KEY in PLACEHOLDER_SECRET_KEYS:
+    if not os.environ.get("DATABASE_URL", "sqlite:").startswith("sqlite:"):
+        raise ImproperlyConfigured(
+            "DJANGO_SECRET_KEY is not set (or is a placeholder) while DATABASE_URL names a database "
+            "server: production needs a key of its own. Generate one with "
+            "`python -c 'from django.core.management.utils import get_random_secret_key as k; print(k())'` "
+            "and set it in the environment."
+        )
+    SECRET_KEY = DEVELOPMENT_SECRET_KEY
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost")
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS")
 
@@ -122,6 +136,10 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
         "dispatcher": {"handlers": ["console"], "level": os.environ.get("DISPATCHER_LOG_LEVEL", "INFO")},
+        # Django's own default prints to the console only with DEBUG on (and mails ADMINS, which is
+        # empty): a 500 in production would leave no trace. Here its errors (a 500's traceback
+        # from django.request) reach the console, DEBUG on or off.
+        "django": {"handlers": ["console"], "level": os.environ.get("DJANGO_LOG_LEVEL", "INFO")},
     },
 }
 

@@ -1,5 +1,10 @@
 """Settings for the tests: the project's, plus a test app whose handlers the tests call."""
-from project.settings import *  # noqa: F403
+import os
+
+# The tests run on a PostgreSQL server too, which project.settings treats as production.
+os.environ.setdefault("DJANGO_SECRET_KEY", "tests-only-key-not-secret-4f1c9a7e2b8d6035e1a9c7f2")
+
+from project.settings import *  # noqa: E402, F403
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
