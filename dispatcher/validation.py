@@ -104,3 +104,16 @@ def check_duration(value: timedelta, *, what: str = "duration") -> timedelta:
     if abs(value) > MAX_DURATION:
         raise OutOfBounds(f"{what} out of range: longer than {MAX_DURATION.days} days")
     return value
+
+
+def bounded_seconds(value: Any) -> float | None:
+    """Return a number of seconds within 0..MAX_DURATION, or None for no usable number (NaN, text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:
+        return MAX_DURATION.total_seconds()
+    if seconds != seconds:
+        return None
+    return min(max(seconds, 0.0), MAX_DURATION.total_seconds())

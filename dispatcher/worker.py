@@ -16,7 +16,7 @@ from django.db import InterfaceError, OperationalError, connection
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.registry import get_handler
-from dispatcher.validation import check_json
+from dispatcher.validation import bounded_seconds, check_json
 
 log = logging.getLogger("dispatcher")
 
@@ -83,7 +83,9 @@ def execute(call_id: int, dispatch_no: int) -> str:
         fn = get_handler(call.method).fn
         result = fn(**call.params)
     except RateLimited as exc:
-        _record(CallQueue.objects.finish_rate_limited, call, attempt, exc.retry_after, exc.key, f"RateLimited: {exc}")
+        # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
+        retry_after = bounded_seconds(exc.retry_after)
+        _record(CallQueue.objects.finish_rate_limited, call, attempt, retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
         return "rate_limited"
     except (PermanentError, UnknownMethod) as exc:

@@ -283,3 +283,19 @@ def test_a_real_worker_runs_a_call_stored_in_year_1_bc_and_one_with_a_result_too
     )
     assert finished, procs.logs()
     assert set(CallQueue.objects.get(id=deep.id).result) == {"repr"}
+
+
+@pytest.mark.parametrize("params", [{"retry_after": 1e20}, {"retry_after": float("nan")}, {"huge": True}, {"retry_after": -5}])
+def test_a_retry_after_out_of_range_defers_the_call_instead_of_crashing_the_worker(params):
+    from dispatcher.limiter import Policies
+    from dispatcher.worker import execute
+
+    if params.get("retry_after") != params.get("retry_after"):
+        params = {"retry_after": "nan"}
+    call = CallQueue.objects.send("slow_down", params)
+    claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
+    assert execute(claimed.id, claimed.dispatch_no) == "rate_limited"
+    call.refresh_from_db()
+    assert call.status == "pending" and call.deferrals == 1
+    paused = KeyState.objects.get(key="slow").paused_until
+    assert paused is not None and paused < datetime.now(UTC) + timedelta(days=3651)

@@ -39,3 +39,10 @@ def deep_result(depth: int = 5_000) -> list:
 @handler("leaky")
 def leaky(url: str) -> None:
     raise RuntimeError(f"GET {url} failed; sent X-Access-Key: AKIA-LEAK-1 and client_secret=LEAK-2")
+
+
+@handler("slow_down", keys=["slow"])
+def slow_down(retry_after: Any = None, huge: bool = False) -> None:
+    from dispatcher import RateLimited
+
+    raise RateLimited(retry_after=10**400 if huge else float(retry_after))
