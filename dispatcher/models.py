@@ -9,6 +9,7 @@ from django.db.models.functions import Now
 
 from dispatcher.limiter import RateLimitManager
 from dispatcher.queries import CallQueueManager
+from dispatcher.validation import StoredJSONDecoder
 
 
 class CallQueue(models.Model):
@@ -33,7 +34,7 @@ class CallQueue(models.Model):
     FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
 
     method = models.CharField(max_length=100)
-    params = models.JSONField(default=dict, blank=True)
+    params = models.JSONField(default=dict, blank=True, decoder=StoredJSONDecoder)
     keys = models.JSONField(default=list, blank=True)
     key_set = models.TextField(help_text="The call's keys, sorted and JSON-encoded; calls are claimed per key set.")
     priority = models.IntegerField(default=0)
@@ -48,7 +49,7 @@ class CallQueue(models.Model):
     dispatched_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
-    result = models.JSONField(null=True, blank=True)
+    result = models.JSONField(null=True, blank=True, decoder=StoredJSONDecoder)
     last_error = models.TextField(blank=True, default="")
     last_traceback = models.TextField(blank=True, default="")
 

@@ -6,6 +6,7 @@ input with the same words. Every walk here is iterative, so no input can exhaust
 """
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -117,3 +118,17 @@ def bounded_seconds(value: Any) -> float | None:
     if seconds != seconds:
         return None
     return min(max(seconds, 0.0), MAX_DURATION.total_seconds())
+
+
+class StoredJSONDecoder(json.JSONDecoder):
+    """Decode a JSON column; a value stored nested too deeply to parse reads as a note, not an error.
+
+    ``send()`` refuses such params now, but a row stored before (or by raw SQL) would otherwise
+    make every page and sweep that reads it raise RecursionError.
+    """
+
+    def decode(self, s: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().decode(s, *args, **kwargs)
+        except RecursionError:
+            return {"unreadable": f"stored JSON nested too deeply to read ({len(s)} characters)"}

@@ -299,3 +299,25 @@ def test_a_retry_after_out_of_range_defers_the_call_instead_of_crashing_the_work
     assert call.status == "pending" and call.deferrals == 1
     paused = KeyState.objects.get(key="slow").paused_until
     assert paused is not None and paused < datetime.now(UTC) + timedelta(days=3651)
+
+
+def test_a_row_stored_with_950_deep_params_does_not_break_the_admin_the_api_or_search():
+    call = CallQueue.objects.send("noop", {}, keys=["k"])
+    CallQueue.objects.filter(id=call.id).update(status="done")
+    deep = "[" * 950 + "]" * 950
+    table = CallQueue._meta.db_table
+    cast = "::jsonb" if connection.vendor == "postgresql" else ""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {table} SET params = %s{cast}, result = %s{cast} WHERE id = %s", ['{"x": ' + deep + "}", deep, call.id]
+        )
+    client = staff("view_callqueue")
+    for url, query in [
+        ("/admin/dispatcher/callqueue/", {}),
+        ("/admin/dispatcher/callqueue/", {"q": "x"}),
+        (f"/admin/dispatcher/callqueue/{call.id}/change/", {}),
+        (f"/api/calls/{call.id}/", {}),
+    ]:
+        response = client.get(url, query, HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+        assert response.status_code == 200, url
+    assert "too deeply to read" in client.get(f"/admin/dispatcher/callqueue/{call.id}/change/").content.decode()
