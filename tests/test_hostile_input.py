@@ -87,6 +87,7 @@ def test_a_run_at_within_the_bounds_is_stored():
         (["ratelimit", "set", "api", "--limit", "1", "--per", "99999999999999999999999d"], "out of range"),
         (["prune_calls", "--older-than", "1" * 400], "out of range"),
         (["prune_calls", "--older-than=-5s"], "not a duration"),
+        (["prune_calls", "--batch", "1" + "0" * 20], "--batch must be between 1 and 1000000"),
     ],
 )
 def test_commands_refuse_durations_out_of_range_and_change_nothing(args, message):

@@ -9,6 +9,9 @@ from django.core.management.base import BaseCommand, CommandError
 from dispatcher.conf import dispatcher_settings
 from dispatcher.durations import format_duration, parse_duration
 
+# Rows one transaction may delete; far past any useful batch, well within SQL's LIMIT.
+MAX_BATCH = 1_000_000
+
 
 class Command(BaseCommand):
     help = "Delete finished calls (and their attempts) older than the retention, in bounded batches."
@@ -27,8 +30,8 @@ class Command(BaseCommand):
             raise CommandError(f"--older-than: {exc}") from None
         if age.total_seconds() < 0:
             raise CommandError("--older-than cannot be negative")
-        if batch is not None and batch < 1:
-            raise CommandError(f"--batch must be at least 1, not {batch}")
+        if batch is not None and not 1 <= batch <= MAX_BATCH:
+            raise CommandError(f"--batch must be between 1 and {MAX_BATCH}, not {batch}")
         tty = self.stdout.isatty() and sys.stdout.isatty()
 
         def progress(done: int, total: int) -> None:
