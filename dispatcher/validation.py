@@ -7,6 +7,7 @@ input with the same words. Every walk here is iterative, so no input can exhaust
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,6 +24,10 @@ EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 LATEST = datetime(9000, 1, 1, tzinfo=UTC)
 # Longest duration accepted anywhere (settings, --for, --per, --older-than, admin forms).
 MAX_DURATION = timedelta(days=3650)
+
+
+# A JSON string (skipped whole), or one bracket.
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')
 
 
 class OutOfBounds(ValueError):
@@ -59,23 +64,15 @@ def check_json(value: Any, *, what: str = "value", max_depth: int = MAX_JSON_DEP
 def json_text_depth(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> int:
     """Return how deep a JSON text nests, scanning it once; stop counting past ``limit`` + 1.
 
-    Run before ``json.loads``, whose recursive parser a deep enough text would overflow.
+    Run before ``json.loads``, whose recursive parser a deep enough text would overflow. Strings
+    are skipped whole by the regular expression, so brackets inside them do not count.
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", errors="replace")
     depth = deepest = 0
-    in_string = escaped = False
-    for char in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
+    for match in _JSON_TOKENS.finditer(text):
+        char = match.group()[0]
+        if char in "[{":
             depth += 1
             if depth > deepest:
                 deepest = depth
