@@ -8,10 +8,11 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.helpers import ActionForm
 from django.core.exceptions import PermissionDenied
 from django.db.models import Q, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.template.response import TemplateResponse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
@@ -101,6 +102,23 @@ class KeyFilter(admin.SimpleListFilter):
         return queryset.filter(key_set__contains=json.dumps(self.value()))
 
 
+class RefuseUnstorableMixin:
+    """Answer 400 to a list request holding what no column can: a NUL, or a selected id past bigint.
+
+    Django passes filter values and selected ids to the database as they come; PostgreSQL
+    refuses a NUL in text, SQLite an integer past 64 bits, and either would answer 500.
+    """
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+        for params in (request.GET, request.POST):
+            if any("\x00" in name or any("\x00" in value for value in values) for name, values in params.lists()):
+                return HttpResponseBadRequest("A query or form value holds a NUL character.", content_type="text/plain")
+        for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
+            if not (value.isascii() and value.isdigit() and len(value) <= 19 and int(value) <= MAX_ID):
+                return HttpResponseBadRequest("Selected ids must be whole numbers of a row.", content_type="text/plain")
+        return super().changelist_view(request, extra_context)  # type: ignore[misc]
+
+
 class ReadOnlyAdminMixin:
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
@@ -115,7 +133,7 @@ class ReadOnlyAdminMixin:
 
 
 @admin.register(CallQueue)
-class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try"]
     list_filter = [CallStateFilter, "status", "method", KeyFilter]
     search_fields = ["method"]
@@ -304,7 +322,7 @@ class PauseActionForm(ActionForm):
 
 
 @admin.register(RateLimit)
-class RateLimitAdmin(admin.ModelAdmin):
+class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     form = RateLimitForm
     action_form = PauseActionForm
     list_display = ["key", "policy_label", "usage", "in_flight", "waiting", "oldest_wait", "paused_until", "next_free_slot"]

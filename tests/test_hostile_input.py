@@ -191,12 +191,30 @@ def test_keys_in_other_scripts_are_fine():
     assert call.keys == ["tenant:東京", "tenant:שלום", "café"]
 
 
-@pytest.mark.parametrize("term", ["9" * 5_000, "#" + "9" * 30, "²", "1\x00", "\x00"])
+@pytest.mark.parametrize("term", ["9" * 5_000, "#" + "9" * 30, "²", "#", "  "])
 def test_admin_search_for_odd_terms_answers_200(term):
     CallQueue.objects.send("noop", {"n": 1})
     client = staff("view_callqueue", "view_ratelimit")
     assert client.get("/admin/dispatcher/callqueue/", {"q": term}).status_code == 200
     assert client.get("/admin/dispatcher/ratelimit/", {"q": term}).status_code == 200
+
+
+@pytest.mark.parametrize("query", [{"q": "1\x00"}, {"q": "\x00"}, {"method": "\x00"}, {"key": "a\x00"}, {"status": "\x00"}])
+def test_admin_lists_answer_400_for_a_nul_in_a_search_or_filter(query):
+    client = staff("view_callqueue", "view_ratelimit")
+    for url in ("/admin/dispatcher/callqueue/", "/admin/dispatcher/ratelimit/"):
+        response = client.get(url, query)
+        assert response.status_code == 400 and b"NUL" in response.content
+
+
+@pytest.mark.parametrize("selected", ["9" * 30, "-1", "1e3", "x"])
+def test_admin_actions_answer_400_for_selected_ids_that_are_no_row_id(selected):
+    call = CallQueue.objects.send("noop", {})
+    client = staff("view_callqueue", "change_callqueue", "view_ratelimit", "change_ratelimit")
+    for url, action in (("/admin/dispatcher/callqueue/", "cancel"), ("/admin/dispatcher/ratelimit/", "resume")):
+        response = client.post(url, {"action": action, "_selected_action": [str(call.id), selected], "index": 0})
+        assert response.status_code == 400, url
+    assert CallQueue.objects.get(id=call.id).status == "pending"
 
 
 # --- 10. search never looks inside redacted values ------------------------------------------
