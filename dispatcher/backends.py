@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextvars
 import inspect
 import re
+import string
 from collections.abc import Mapping
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
@@ -93,6 +95,35 @@ class DispatcherBackend(BaseTaskBackend):
         super().validate_task(task)
         if task.takes_context:
             raise InvalidTask("DispatcherBackend does not pass a TaskContext; define the task without takes_context")
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        """Report OPTIONS["keys"] entries that name no task of this backend, or no argument of it."""
+        messages: list[checks.CheckMessage] = []
+        for path, templates in self.keys.items():
+            where = f"TASKS[{self.alias!r}]['OPTIONS']['keys'][{path!r}]"
+            try:
+                task = import_string(path)
+            except ImportError as exc:
+                task, problem = None, f"cannot be imported ({exc})"
+            else:
+                problem = "" if isinstance(task, Task) else "is not a @task"
+            if task is not None and not problem and task.backend != self.alias:
+                problem = f"runs on the backend {task.backend!r}, not {self.alias!r}"
+            if problem:
+                messages.append(checks.Error(f"{where}: {path} {problem}, so nothing is paced by these keys",
+                                             id="dispatcher.E101"))
+                continue
+            parameters = inspect.signature(task.func).parameters
+            takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+            for template in templates:
+                fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+                missing = sorted(fields - set(parameters))
+                if missing and not takes_any:
+                    messages.append(checks.Error(
+                        f"{where}: key template {template!r} names {', '.join(missing)}, which {path} does not take",
+                        id="dispatcher.E102",
+                    ))
+        return messages
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Store the task as a call in the caller's transaction; return its READY result."""

@@ -171,3 +171,33 @@ def test_tasks_reach_the_api_paced_by_their_keys_through_real_workers(procs, fak
     starts = [t.timestamp() for t in KeyStart.objects.filter(key="partner:acme").values_list("started_at", flat=True)]
     assert len(starts) == 6 and max_in_window(starts, 1.0) <= 2
     assert Counter(a.call for a in fake_api.arrivals) == {f"acme:{n}": 1 for n in range(6)}
+
+
+def test_system_check_reports_keys_that_would_pace_nothing(settings):
+    from dispatcher.backends import DispatcherBackend
+
+    backend = DispatcherBackend("default", {"OPTIONS": {"keys": {
+        "tests.testapp.tasks.fetch_account": ["partner:{account}"],
+        "tests.testapp.tasks.fetch_acount": ["partner"],
+        "tests.testapp.tasks.add": ["adder:{c}"],
+    }}})
+    messages = [(m.id, m.msg) for m in backend.check()]
+    assert [i for i, _ in messages] == ["dispatcher.E101", "dispatcher.E102"]
+    assert "fetch_acount cannot be imported" in messages[0][1]
+    assert "names c, which tests.testapp.tasks.add does not take" in messages[1][1]
+    assert list(default_task_backend.check()) == []
+
+
+@pytest.mark.parametrize("options", [
+    {"keys": ["partner"]},
+    {"keys": {"fetch_account": ["partner"]}},
+    {"keys": {"tests.testapp.tasks.add": "partner"}},
+    {"max_attempts": 0},
+])
+def test_bad_options_are_refused_with_the_setting_named(options):
+    from django.core.exceptions import ImproperlyConfigured
+
+    from dispatcher.backends import DispatcherBackend
+
+    with pytest.raises(ImproperlyConfigured, match=r"TASKS\['default'\]\['OPTIONS'\]"):
+        DispatcherBackend("default", {"OPTIONS": options})
