@@ -116,7 +116,11 @@ class DispatcherBackend(BaseTaskBackend):
             parameters = inspect.signature(task.func).parameters
             takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
             for template in templates:
-                fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+                try:
+                    fields = {name for _, name, _, _ in string.Formatter().parse(template) if name}
+                except ValueError as exc:
+                    messages.append(checks.Error(f"{where}: bad key template {template!r}: {exc}", id="dispatcher.E102"))
+                    continue
                 missing = sorted(fields - set(parameters))
                 if missing and not takes_any:
                     messages.append(checks.Error(

@@ -179,10 +179,10 @@ def test_system_check_reports_keys_that_would_pace_nothing(settings):
     backend = DispatcherBackend("default", {"OPTIONS": {"keys": {
         "tests.testapp.tasks.fetch_account": ["partner:{account}"],
         "tests.testapp.tasks.fetch_acount": ["partner"],
-        "tests.testapp.tasks.add": ["adder:{c}"],
+        "tests.testapp.tasks.add": ["adder:{c}", "adder:{a"],
     }}})
     messages = [(m.id, m.msg) for m in backend.check()]
-    assert [i for i, _ in messages] == ["dispatcher.E101", "dispatcher.E102"]
+    assert [i for i, _ in messages] == ["dispatcher.E101", "dispatcher.E102", "dispatcher.E102"]
     assert "fetch_acount cannot be imported" in messages[0][1]
     assert "names c, which tests.testapp.tasks.add does not take" in messages[1][1]
     assert list(default_task_backend.check()) == []
