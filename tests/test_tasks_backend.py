@@ -1,11 +1,11 @@
 """Django Tasks on dispatcher.backends: @task functions become paced calls, read back by get_result()."""
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.db import transaction
 
 from dispatcher.exceptions import InvalidCall
@@ -111,7 +111,7 @@ def test_keys_from_options_bind_the_policy():
 
 def test_results_read_back_done_and_failed_with_the_error():
     ok = add.enqueue(2, 3)
-    later = asyncio.run(add_later.aenqueue(4, 5))
+    later = async_to_sync(add_later.aenqueue)(4, 5)  # as an async view would, on this thread
     bad = fail.enqueue("no such account")
     for result in (ok, later, bad):
         run_due(CallQueue.objects.get(pk=int(result.id)).key_set)
