@@ -72,12 +72,12 @@ venv-django6:
 		rm -rf $(VENV6) && $$py -m venv $(VENV6) && \
 		$(BIN6)/pip install --quiet --upgrade pip && \
 		$(BIN6)/pip install --quiet -r requirements-dev.txt && \
-		echo "Django 6.1 over django-celery-beat's Django<6.1 cap: pip reports the conflict, on purpose (requirements-django6.txt)"; \
+		echo "Django 6.1 over django-celery-beat's Django<6.1 cap: pip reports the conflict, on purpose (requirements-django6.txt)" && \
 		$(BIN6)/pip install --quiet -r requirements-django6.txt && \
 		echo "$$py" > $(VENV6)/.installed; \
 	fi
 
 test-django6: venv-django6
-	@if [ ! -f $(VENV6)/.installed ]; then exit 0; fi; \
+	@if [ -z "$$(.ci/find-python312)" ] || [ ! -f $(VENV6)/.installed ]; then exit 0; fi; \
 	$(BIN6)/python -c "import django; print('Django', django.get_version())"; \
 	env -u DATABASE_URL $(BIN6)/pytest -m "not postgres"
