@@ -28,7 +28,7 @@ check: venv
 	$(BIN)/python manage.py makemigrations --check --dry-run
 
 clean:
-	rm -rf $(VENV) var/db.sqlite3* var/broker artifacts
+	rm -rf $(VENV) $(VENV6) var/db.sqlite3* var/broker artifacts
 
 # The browser test drives Debian's chromium headless; install it only if it is missing.
 .PHONY: browser-deps
@@ -55,3 +55,29 @@ demo: venv
 # Web (http://127.0.0.1:8000/admin/), worker, beat and dispenser together; Ctrl-C stops all.
 run: venv
 	$(BIN)/python -m demo.run_stack
+
+# The Django 6.x leg of the support matrix (README, Supported versions): a second virtualenv on a
+# Python >= 3.12 with Django 6.1 over the dev requirements, running the SQLite suite (the Tasks
+# backend tests and the wheel-into-a-new-site test included). Skipped, saying so, without such a Python.
+VENV6 := .venv-django6
+BIN6 := $(VENV6)/bin
+
+.PHONY: venv-django6 test-django6
+
+venv-django6:
+	@py=$$(.ci/find-python312); \
+	if [ -z "$$py" ]; then echo "SKIPPED the Django 6.x leg: no Python >= 3.12 found (python3.12/3.13 on PATH or in pyenv)"; exit 0; fi; \
+	if [ "$$(cat $(VENV6)/.installed 2>/dev/null)" != "$$py" ] || [ requirements.txt -nt $(VENV6)/.installed ] || [ requirements-dev.txt -nt $(VENV6)/.installed ] || [ requirements-django6.txt -nt $(VENV6)/.installed ]; then \
+		echo "Django 6.x leg on $$($$py --version)"; \
+		rm -rf $(VENV6) && $$py -m venv $(VENV6) && \
+		$(BIN6)/pip install --quiet --upgrade pip && \
+		$(BIN6)/pip install --quiet -r requirements-dev.txt && \
+		echo "Django 6.1 over django-celery-beat's Django<6.1 cap: pip reports the conflict, on purpose (requirements-django6.txt)" && \
+		$(BIN6)/pip install --quiet -r requirements-django6.txt && \
+		echo "$$py" > $(VENV6)/.installed; \
+	fi
+
+test-django6: venv-django6
+	@if [ -z "$$(.ci/find-python312)" ] || [ ! -f $(VENV6)/.installed ]; then exit 0; fi; \
+	$(BIN6)/python -c "import django; print('Django', django.get_version())"; \
+	env -u DATABASE_URL $(BIN6)/pytest -m "not postgres"

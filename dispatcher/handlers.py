@@ -167,3 +167,17 @@ def http(**params: Any) -> dict[str, Any]:
     if status >= 300:
         raise PermanentError(f"HTTP {status}: {body[:500]}")
     return {"status": status, "body": body}
+
+
+def _validate_task(params: dict[str, Any]) -> None:
+    from dispatcher.backends import check_task_params
+
+    check_task_params(params)
+
+
+@handler("task", validator=_validate_task)
+def task(**params: Any) -> Any:
+    """Run a Django Tasks task stored by dispatcher.backends.DispatcherBackend."""
+    from dispatcher.backends import run_task
+
+    return run_task(**params)

@@ -1,4 +1,5 @@
 """Settings for the tests: the project's, plus a test app whose handlers the tests call."""
+import importlib.util
 import os
 
 # The tests run on a PostgreSQL server too, which project.settings treats as production.
@@ -8,3 +9,14 @@ from project.settings import *  # noqa: E402, F403
 
 INSTALLED_APPS = [*INSTALLED_APPS, "tests.testapp"]  # noqa: F405
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# Django Tasks through dispatcher.backends (django.tasks on Django 6, the django-tasks backport on 5.2).
+if importlib.util.find_spec("django.tasks") is None:
+    INSTALLED_APPS = [*INSTALLED_APPS, "django_tasks"]
+TASKS = {
+    "default": {
+        "BACKEND": "dispatcher.backends.DispatcherBackend",
+        "QUEUES": ["default", "tasks-other"],
+        "OPTIONS": {"keys": {"tests.testapp.tasks.fetch_account": ["partner", "partner:{account}"]}},
+    }
+}

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.procs import ROOT
 
 
@@ -36,6 +38,9 @@ def test_the_insecure_development_key_is_flagged_by_the_checklist(tmp_path):
     assert run.returncode != 0 and "SECRET_KEY" in run.stdout + run.stderr
 
 
+# Since Django 6.0 run_checks() hands every database to the model checks, which ask SQLite about
+# JSON support: the checks need database access, as `manage.py check` has.
+@pytest.mark.django_db
 def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
     from django.core.checks import run_checks
 
@@ -45,6 +50,9 @@ def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
     assert "dispatcher.W001" not in [m.id for m in run_checks()]
 
 
+# Since Django 6.0 run_checks() hands every database to the model checks, which ask SQLite about
+# JSON support: the checks need database access, as `manage.py check` has.
+@pytest.mark.django_db
 def test_check_refuses_fewer_than_one_call_per_message(settings):
     from django.core.checks import run_checks
 
