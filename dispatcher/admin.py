@@ -103,6 +103,9 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     search_help_text = "Search by call id or by text in the method or params."
     ordering = ["-id"]
     list_per_page = 50
+
+    class Media:
+        css = {"all": ["dispatcher/dashboard.css"]}  # the stalled-call warning
     show_full_result_count = False
     actions = ["retry_now", "cancel"]
     fields = [
@@ -119,6 +122,12 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
         if term.lstrip("#").isdigit():
             query |= Q(id=int(term.lstrip("#")))
         return queryset.filter(query), False
+
+    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> list[str]:
+        fields = list(super().get_fields(request, obj))
+        if obj is not None and obj.status in CallQueue.FINISHED:
+            fields.remove("why_waiting")  # a finished call does not wait
+        return fields
 
     def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict | None = None) -> HttpResponse:
         if request.method == "POST":
@@ -161,16 +170,18 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     @admin.display(description="why it waits")
     def why_waiting(self, call: CallQueue) -> str:
         explanation = live.explain_call(call)
+        stalled = format_html("<p class='why-stalled'>{}</p>", explanation.stalled) if explanation.stalled else ""
         if not explanation.waiting:
-            return "not waiting"
+            return stalled or "in flight"
         if not explanation.reasons:
-            return "due now: the next dispense pass will send it"
+            text = "due now, but nothing will send it" if stalled else "due now: the next dispense pass will send it"
+            return format_html("<p>{}</p>{}", text, stalled)
         if explanation.until is None:
             until = "until a call in flight finishes"
         else:
-            until = f"until {explanation.until:%Y-%m-%d %H:%M:%S} UTC ({live.humanize(explanation.until, explanation.now)})"
+            until = f"until {live.format_moment(explanation.until, explanation.now)}"
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
-        return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>", items, until)
+        return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
 
     @admin.display(description="params")
     def params_shown(self, call: CallQueue) -> str:
@@ -393,3 +404,9 @@ class RateLimitAdmin(admin.ModelAdmin):
     def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
         lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
         self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)
+
+
+# The admin index says whether dispensers and workers run and links the dashboard
+# (a project with its own index template keeps it).
+if admin.site.index_template is None:
+    admin.site.index_template = "admin/dispatcher/index.html"

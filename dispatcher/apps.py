@@ -12,8 +12,10 @@ class DispatcherConfig(AppConfig):
 
         from dispatcher import checks  # noqa: F401 - registers system checks
         from dispatcher.beat import connect_beat_signals, on_post_migrate
+        from dispatcher.liveness import connect_worker_signals
 
         # Import every installed app's ``handlers`` module, as the admin does with ``admin``.
         autodiscover_modules("handlers")
         post_migrate.connect(on_post_migrate, sender=self)
         connect_beat_signals()
+        connect_worker_signals()

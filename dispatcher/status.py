@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db.models import Count, Min, Q
@@ -154,20 +154,26 @@ class WaitReason:
 
 @dataclass
 class WaitExplanation:
-    """Why a call waits and until when (``until`` None: until something else finishes)."""
+    """Why a call waits and until when (``until`` None: until something else finishes).
+
+    ``stalled`` says what keeps it from moving when a dispenser or worker is missing
+    ("no dispenser has run since …", "dispatched 4 min ago, no worker has picked it up").
+    """
 
     waiting: bool
     reasons: list[WaitReason]
     until: datetime | None
     now: datetime
+    stalled: str = ""
 
     def summary(self) -> str:
         if not self.waiting:
-            return "not waiting"
-        if not self.reasons:
-            return "due now: the next dispense pass will send it"
-        lines = [r.text for r in self.reasons]
-        return "; ".join(lines)
+            text = "not waiting"
+        elif not self.reasons:
+            text = "due now, but nothing will send it" if self.stalled else "due now: the next dispense pass will send it"
+        else:
+            text = "; ".join(r.text for r in self.reasons)
+        return f"{text}; {self.stalled}" if self.stalled else text
 
 
 def humanize(moment: datetime | None, now: datetime) -> str:
@@ -179,6 +185,13 @@ def humanize(moment: datetime | None, now: datetime) -> str:
     if text == "now":
         return text
     return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def format_moment(moment: datetime | None, now: datetime) -> str:
+    """Write a moment the one way every screen does: "2026-11-21 15:02:11 UTC (in 3 min)"."""
+    if moment is None:
+        return "-"
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC ({humanize(moment, now)})"
 
 
 def humanize_duration(value: timedelta | None) -> str:
@@ -298,11 +311,15 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
 
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
+    from dispatcher import liveness
     from dispatcher.models import KeyState
 
     now = now or db_now()
-    if call.status != "pending":
+    if call.status not in ("pending", "dispatched", "running"):
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
+    stalled = liveness.stall(call, liveness.read(now))
+    if call.status != "pending":
+        return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
     policies = policies or limiter.Policies.load()
     reasons: list[WaitReason] = []
     if call.run_at and call.run_at > now:
@@ -344,7 +361,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
         until = None
     else:
         until = max(r.until for r in reasons if r.until is not None)
-    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now)
+    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled)
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:

@@ -45,8 +45,10 @@ def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
 @shared_task(name="dispatcher.dispense", ignore_result=True)
 def dispense(max_passes: int = 20) -> int:
     """Run dispense passes while each fills its batch (bounded); return calls moved."""
+    from dispatcher import liveness
     from dispatcher.dispenser import Dispenser
 
+    liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task"))
     dispenser = Dispenser()
     moved = 0
     for _ in range(max_passes):

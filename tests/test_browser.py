@@ -141,3 +141,30 @@ def test_dashboard_draws_the_chart_with_axes_and_limit(browser_page, server, art
     assert _style(page, f"{panel} line.limit", "stroke") == "rgb(186, 33, 33)"
     page.screenshot(path=str(artifacts_dir / "dashboard.png"), full_page=True)
     assert (artifacts_dir / "dashboard.png").stat().st_size > 1000
+
+
+def test_liveness_warning_appears_after_the_dispenser_stops(browser_page, server, production_env, tmp_path, settings, artifacts_dir):
+    from dispatcher import liveness
+
+    settings.DISPATCHER_HEARTBEAT_TIMEOUT = production_env["DISPATCHER_HEARTBEAT_TIMEOUT"]
+    log = open(tmp_path / "dispenser.log", "wb")
+    dispenser = subprocess.Popen([sys.executable, "manage.py", "dispense", "--loop"], cwd=ROOT, env=production_env,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    page = browser_page
+    try:
+        assert wait_until(lambda: liveness.read().alive("dispenser"), timeout=30), (tmp_path / "dispenser.log").read_text()
+        page.goto(f"{server}/admin/")
+        assert page.locator("#dispatcher-liveness li[data-kind='dispenser']").inner_text().startswith("1 dispenser running")
+    finally:
+        os.killpg(dispenser.pid, 15)
+        dispenser.wait(timeout=15)
+    call = CallQueue.objects.send("greet", {"name": "stranded"})
+    page.goto(f"{server}/admin/")
+    warning = page.locator("#dispatcher-liveness li[data-kind='dispenser']")
+    assert warning.inner_text().startswith("no dispenser has run since")
+    assert _style(page, "#dispatcher-liveness li[data-kind='dispenser']", "font-weight") == "700"
+    page.screenshot(path=str(artifacts_dir / "liveness-index.png"), full_page=True)
+    page.goto(f"{server}/admin/dispatcher/callqueue/{call.id}/change/")
+    assert "no dispenser has run since" in page.locator(".why-stalled").inner_text()
+    page.screenshot(path=str(artifacts_dir / "liveness-call.png"), full_page=True)

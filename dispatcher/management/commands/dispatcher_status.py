@@ -42,12 +42,17 @@ class Command(BaseCommand):
             pass
 
     def render(self, keys: list[str] | None, as_json: bool) -> str:
+        from dispatcher import liveness
+
         statuses = live.key_statuses(keys)
+        state = liveness.read(statuses[0].now if statuses else None)
         if as_json:
-            now = statuses[0].now.isoformat() if statuses else None
-            return json.dumps({"now": now, "keys": [s.as_dict() for s in statuses]}, indent=2)
+            return json.dumps({"now": state.now.isoformat(), "liveness": state.as_dict(),
+                               "keys": [s.as_dict() for s in statuses]}, indent=2)
+        lines = [f"{'WARNING: ' if state.problem(kind) else ''}{state.summary(kind)}"
+                 for kind in (liveness.DISPENSER, liveness.WORKER)]
         if not statuses:
-            return "no key has a policy, waiting calls or recent starts"
+            return "\n".join([*lines, "no key has a policy, waiting calls or recent starts"])
         header = ("KEY", "POLICY", "USED", "IN FLIGHT", "WAITING", "OLDEST WAIT", "PAUSED UNTIL", "NEXT FREE SLOT", "DRAIN")
         rows = [header]
         for s in statuses:
@@ -62,4 +67,5 @@ class Command(BaseCommand):
             rows.append((s.key, policies, used, flight, str(s.waiting), live.humanize_duration(s.oldest_wait),
                          paused, free, live.humanize_duration(s.drain_time)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        return "\n".join([*lines, "", *table])
