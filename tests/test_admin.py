@@ -362,3 +362,54 @@ def test_view_only_staff_can_read_calls_and_limits(viewer):
     assert viewer.get(f"{CALLS}{call.id}/change/").status_code == 200
     assert viewer.get(LIMITS).status_code == 200
     assert viewer.get(f"{LIMITS}add/").status_code == 403
+
+
+def test_dashboard_splits_bars_into_done_error_and_429(viewer):
+    now = db_now()
+    for outcome in ("done", "done", "error", "rate_limited"):
+        call = send()
+        Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
+        KeyStart.objects.create(key="api", started_at=now - timedelta(minutes=3))
+    page = viewer.get(DASHBOARD).content.decode()
+    assert '<rect class="seg seg-done"' in page and 'data-n="2"' in page
+    assert page.count('<rect class="seg seg-error"') == 1 and page.count('<rect class="seg seg-429"') == 1
+    assert "(2 done, 1 error, 1 deferred by 429)" in page
+
+
+def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer):
+    RateLimit.objects.set_policy("full", 1, timedelta(hours=1))
+    KeyStart.objects.create(key="full", started_at=db_now())
+    for _ in range(3):
+        send(keys=["busy"])
+    send(keys=["quiet"])
+    send(keys=["full"])
+    keys = [row["status"].key for row in viewer.get(DASHBOARD).context["rows"]]
+    assert keys == ["full", "busy", "quiet"]
+
+
+def test_dashboard_filters_and_paginates_keys(viewer):
+    for i in range(45):
+        send(keys=[f"tenant:{i:02d}"])
+    send(keys=["other"])
+    first = viewer.get(DASHBOARD, {"q": "tenant"})
+    assert len(first.context["rows"]) == 20 and first.context["matching"] == 45
+    page = first.content.decode()
+    assert "page 1 of 3" in page and 'href="?q=tenant&amp;page=2"' in page
+    last = viewer.get(DASHBOARD, {"q": "tenant", "page": 3}).context["rows"]
+    assert [r["status"].key for r in last] == [f"tenant:{i:02d}" for i in range(40, 45)]
+    assert viewer.get(DASHBOARD, {"q": "nothing-like-it"}).content.decode().count("No key matches.") == 1
+
+
+def test_dashboard_refreshes_itself_unless_told_not_to(viewer):
+    assert '<meta http-equiv="refresh" content="30">' in viewer.get(DASHBOARD).content.decode()
+    assert 'http-equiv="refresh"' not in viewer.get(DASHBOARD, {"refresh": 0}).content.decode()
+
+
+@pytest.mark.parametrize("params", [{"refresh": "soon"}, {"refresh": "-1"}, {"only": "everything"}])
+def test_dashboard_refuses_bad_parameters(viewer, params):
+    response = viewer.get(DASHBOARD, params)
+    assert response.status_code == 400 and response.content
+
+
+def test_admin_index_links_the_dashboard(viewer):
+    assert 'href="/admin/dispatcher/dashboard/"' in viewer.get("/admin/").content.decode()
