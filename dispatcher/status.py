@@ -194,6 +194,13 @@ def format_moment(moment: datetime | None, now: datetime) -> str:
     return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC ({humanize(moment, now)})"
 
 
+def pause_text(reason: str) -> str:
+    """Say how a key is paused: "paused by operator", "paused (429 from call #3)"."""
+    if not reason:
+        return "paused"
+    return reason if reason.startswith("paused") else f"paused ({reason})"
+
+
 def humanize_duration(value: timedelta | None) -> str:
     """Write a duration for people: "3 min", "1 h 5 min", "-"."""
     if value is None:
@@ -323,14 +330,14 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     policies = policies or limiter.Policies.load()
     reasons: list[WaitReason] = []
     if call.run_at and call.run_at > now:
-        when = humanize(call.run_at, now)
+        when = format_moment(call.run_at, now)
         last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
         if last == "rate_limited":
-            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try {when}", call.run_at))
+            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
         elif last is not None:
             reasons.append(WaitReason(
                 "backoff",
-                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try {when}",
+                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try at {when}",
                 call.run_at,
             ))
         else:
@@ -343,8 +350,10 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
             continue
         if verdict.reason == "paused":
             state = states.get(key)
-            why = f" ({state.pause_reason})" if state and state.pause_reason else ""
-            reasons.append(WaitReason("paused", f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
+            reasons.append(WaitReason(
+                "paused", f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
+                verdict.until, key,
+            ))
         elif verdict.reason.startswith("concurrency"):
             reasons.append(WaitReason(
                 "concurrency",
@@ -353,7 +362,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
                 key,
             ))
         else:
-            frees = humanize(verdict.until, now) if verdict.until else "when calls already dispatched start"
+            frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
             reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
