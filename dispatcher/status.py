@@ -389,3 +389,55 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
         .order_by()
     }
     return [(start + timedelta(minutes=i), counts.get(start + timedelta(minutes=i), 0)) for i in range(minutes)]
+
+
+def call_totals() -> dict[str, int]:
+    """Return how many calls are stored in each status (every status named, zeros included)."""
+    from dispatcher.models import CallQueue
+
+    counts = dict(CallQueue.objects.values_list("status").annotate(n=Count("id")).order_by())
+    return {status: counts.get(status, 0) for status in CallQueue.Status.values}
+
+
+@dataclass
+class KeyFailures:
+    """Errors and give-ups of one key's calls over a recent span, with the latest error."""
+
+    key: str
+    errors: int = 0
+    failed: int = 0
+    latest_error: str = ""
+    latest_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "errors": self.errors, "failed": self.failed, "latest_error": self.latest_error}
+
+
+def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list[KeyFailures]:
+    """Return per key the attempts that ended in error and the calls that gave up within ``span``, worst first."""
+    from django.db.models import Max
+
+    from dispatcher.models import Attempt, CallQueue
+
+    since = now - span
+    found: dict[str, KeyFailures] = {}
+    errors = (
+        Attempt.objects.filter(finished_at__gte=since, outcome__in=["error", "failed", "lost"])
+        .values("call__key_set").annotate(n=Count("id"), last=Max("id")).order_by()
+    )
+    for row in errors:
+        for key in parse_key_set(row["call__key_set"]) or [""]:
+            item = found.setdefault(key, KeyFailures(key))
+            item.errors += row["n"]
+            item.latest_id = max(item.latest_id, row["last"])
+    failed = (
+        CallQueue.objects.filter(status="failed", finished_at__gte=since)
+        .values("key_set").annotate(n=Count("id")).order_by()
+    )
+    for row in failed:
+        for key in parse_key_set(row["key_set"]) or [""]:
+            found.setdefault(key, KeyFailures(key)).failed += row["n"]
+    texts = dict(Attempt.objects.filter(id__in={f.latest_id for f in found.values() if f.latest_id}).values_list("id", "error"))
+    for item in found.values():
+        item.latest_error = (texts.get(item.latest_id, "").strip().splitlines() or [""])[0][:200]
+    return sorted(found.values(), key=lambda f: (-f.failed, -f.errors, f.key))
