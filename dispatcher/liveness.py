@@ -41,9 +41,10 @@ def interval() -> float:
     return max(dispatcher_settings.HEARTBEAT_TIMEOUT.total_seconds() / 4, 0.25)
 
 
-def process_name(kind: str, label: str = "") -> str:
-    """Name this process: kind, then the given label or host, and the pid."""
-    return f"{kind} {label or socket.gethostname()} pid {os.getpid()}"
+def process_name(kind: str, label: str = "", *, pid: bool = True) -> str:
+    """Name this process: kind, then the given label or host, and the pid (or only the host)."""
+    name = f"{kind} {label or socket.gethostname()}"
+    return f"{name} pid {os.getpid()}" if pid else f"{name} on {socket.gethostname()}"
 
 
 def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:

@@ -48,7 +48,8 @@ def dispense(max_passes: int = 20) -> int:
     from dispatcher import liveness
     from dispatcher.dispenser import Dispenser
 
-    liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task"))
+    # One row per machine: whichever pool process runs beat's task, it is one dispenser there.
+    liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task", pid=False))
     dispenser = Dispenser()
     moved = 0
     for _ in range(max_passes):
