@@ -140,3 +140,11 @@ def test_real_dispenser_and_worker_report_and_stop_reporting(procs):
         procs.stop(worker, sig=signal.SIGKILL)  # no goodbye: the timeout tells
         assert wait_until(lambda: alive("worker") == 0, timeout=10)
         assert liveness.read().problem("worker").startswith("no worker has reported since")
+
+
+def test_the_calls_list_warns_only_when_something_is_missing(admin_client):
+    heartbeat("worker", timedelta(seconds=1))
+    page = admin_client.get("/admin/dispatcher/callqueue/").content.decode()
+    assert "no dispenser has run yet" in page and "1 worker running" not in page
+    heartbeat("dispenser", timedelta(seconds=1))
+    assert 'id="dispatcher-liveness"' not in admin_client.get("/admin/dispatcher/callqueue/").content.decode()

@@ -12,8 +12,8 @@ register = template.Library()
 
 
 @register.inclusion_tag("admin/dispatcher/liveness.html", takes_context=True)
-def dispatcher_liveness(context: dict[str, Any]) -> dict[str, Any]:
-    """Show whether dispensers and workers run, to staff who may see calls or limits."""
+def dispatcher_liveness(context: dict[str, Any], problems_only: bool = False) -> dict[str, Any]:
+    """Show whether dispensers and workers run (or only what is wrong), to staff who may see calls or limits."""
     request = context.get("request")
     user = getattr(request, "user", None)
     if user is None or not (user.has_perm("dispatcher.view_callqueue") or user.has_perm("dispatcher.view_ratelimit")):
@@ -23,11 +23,10 @@ def dispatcher_liveness(context: dict[str, Any]) -> dict[str, Any]:
         dashboard = reverse("dispatcher_dashboard")
     except NoReverseMatch:
         dashboard = ""
-    return {
-        "show": True,
-        "rows": [
-            {"kind": kind, "text": state.summary(kind), "problem": bool(state.problem(kind))}
-            for kind in (liveness.DISPENSER, liveness.WORKER)
-        ],
-        "dashboard_url": dashboard,
-    }
+    rows = [
+        {"kind": kind, "text": state.summary(kind), "problem": bool(state.problem(kind))}
+        for kind in (liveness.DISPENSER, liveness.WORKER)
+    ]
+    if problems_only:
+        rows = [row for row in rows if row["problem"]]
+    return {"show": bool(rows), "rows": rows, "dashboard_url": dashboard}
