@@ -175,8 +175,8 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             "policies": ", ".join(p.label() for p in status.policies) or "no limit",
             "oldest_wait": live.humanize_duration(status.oldest_wait),
             "drain": live.humanize_duration(status.drain_time) if status.waiting else "-",
-            "next_free": live.humanize(status.next_free_at, status.now),
-            "paused": live.humanize(status.paused_until, status.now) if status.paused_until else "",
+            "next_free": live.format_moment(status.next_free_at, status.now) if status.blocked else "now",
+            "paused": live.format_moment(status.paused_until, status.now) if status.paused_until else "",
         })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}
     if refresh != DEFAULT_REFRESH:

@@ -536,3 +536,14 @@ def test_paused_wording_does_not_repeat_itself(operator):
     page = operator.get(f"{CALLS}{send().id}/change/").content.decode()
     assert "key api is paused by operator until 20" in page and "(paused by operator)" not in page
     assert "until in" not in page
+
+
+def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
+    from django.contrib.admin.models import LogEntry
+
+    operator.post(f"{LIMITS}add/", policy_form())
+    policy = RateLimit.objects.get()
+    operator.post(f"{LIMITS}{policy.id}/change/", policy_form(limit="7"))
+    entries = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id"))
+    assert [(e.user.username, e.is_addition(), e.is_change()) for e in entries] == [("op", True, False), ("op", False, True)]
+    assert entries[1].get_change_message() == "Changed limit."
