@@ -12,7 +12,7 @@ register = template.Library()
 
 
 @register.inclusion_tag("admin/dispatcher/liveness.html", takes_context=True)
-def dispatcher_liveness(context: dict[str, Any], problems_only: bool = False) -> dict[str, Any]:
+def dispatcher_liveness(context: dict[str, Any], problems_only: bool = False, link: bool = True) -> dict[str, Any]:
     """Show whether dispensers and workers run (or only what is wrong), to staff who may see calls or limits."""
     request = context.get("request")
     user = getattr(request, "user", None)
@@ -20,7 +20,7 @@ def dispatcher_liveness(context: dict[str, Any], problems_only: bool = False) ->
         return {"show": False}
     state = liveness.read()
     try:
-        dashboard = reverse("dispatcher_dashboard")
+        dashboard = reverse("dispatcher_dashboard") if link else ""
     except NoReverseMatch:
         dashboard = ""
     rows = [
