@@ -23,6 +23,7 @@ from django.template.response import TemplateResponse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
+from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.keys import parse_key_set
@@ -156,6 +157,8 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
     if not 0 <= refresh <= 3600:
         return HttpResponseBadRequest("refresh= takes 0 to 3600 seconds")
     statuses = live.key_statuses()
+    # A free slot sends nothing while no dispenser runs: say so where the slot is read.
+    free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
     now = statuses[0].now if statuses else db_now()
     busy = starts_last_hour(now)
     shown = [
@@ -175,7 +178,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             "policies": ", ".join(p.label() for p in status.policies) or "no limit",
             "oldest_wait": live.humanize_duration(status.oldest_wait),
             "drain": live.humanize_duration(status.drain_time) if status.waiting else "-",
-            "next_free": live.format_moment(status.next_free_at, status.now) if status.blocked else "now",
+            "next_free": live.format_moment(status.next_free_at, status.now) if status.blocked else free_now,
             "paused": live.format_moment(status.paused_until, status.now) if status.paused_until else "",
         })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}

@@ -148,3 +148,16 @@ def test_the_calls_list_warns_only_when_something_is_missing(admin_client):
     assert "no dispenser has run yet" in page and "1 worker running" not in page
     heartbeat("dispenser", timedelta(seconds=1))
     assert 'id="dispatcher-liveness"' not in admin_client.get("/admin/dispatcher/callqueue/").content.decode()
+
+
+def test_a_free_slot_says_nothing_will_use_it_while_no_dispenser_runs(admin_client):
+    from dispatcher.models import RateLimit
+
+    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    send()
+    assert "now, but no dispenser runs" in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
+    out = StringIO()
+    call_command("dispatcher_status", stdout=out)
+    assert "now, but no dispenser runs" in out.getvalue()
+    heartbeat("dispenser", timedelta(seconds=1))
+    assert "no dispenser runs" not in admin_client.get("/admin/dispatcher/dashboard/").content.decode()

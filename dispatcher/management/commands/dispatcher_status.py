@@ -81,7 +81,8 @@ class Command(BaseCommand):
             if s.blocked:
                 free = live.humanize(s.next_free_at, s.now) if s.next_free_at else "when one finishes"
             else:
-                free = "now"
+                # A free slot sends nothing while no dispenser runs: say so where the slot is read.
+                free = "now, but no dispenser runs" if state.problem(liveness.DISPENSER) else "now"
             rows.append((s.key, policies, used, flight, str(s.waiting), live.humanize_duration(s.oldest_wait),
                          paused, free, live.humanize_duration(s.drain_time)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
