@@ -127,7 +127,6 @@ class CallQueueAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     search_fields = ["method"]
     search_help_text = "Search by call id, or by text in the method, params or last error."
     change_form_template = "admin/dispatcher/callqueue/change_form.html"
-    change_list_template = "admin/dispatcher/callqueue/change_list.html"
     ordering = ["-id"]
     list_per_page = 50
 
