@@ -1,6 +1,7 @@
 """``make run``: the whole stack on the embedded default, stopped together with Ctrl-C.
 
-Starts the web server (admin on http://127.0.0.1:8000/admin/), a Celery worker, Celery beat
+Starts the web server (admin, styled with DEBUG off: static files are collected and served by
+WhiteNoise as in production; on http://127.0.0.1:8000/admin/), a Celery worker, Celery beat
 (django-celery-beat's database scheduler) and a long-running dispenser, after migrating. The
 database and broker are those of the environment: with none set, the SQLite file and the
 filesystem broker under ``var/``.
@@ -26,10 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     restore = install_stop_signals()
     out = sys.stdout
     try:
-        result = procs.manage("migrate", "--noinput")
-        out.write(result.stdout + result.stderr)
-        if result.returncode != 0:
-            return result.returncode
+        for command in (("migrate", "--noinput"), ("collectstatic", "--noinput", "-v", "0")):
+            # collectstatic: with DEBUG off (the default) WhiteNoise serves the admin's styles
+            # from STATIC_ROOT, as in production.
+            result = procs.manage(*command)
+            out.write(result.stdout + result.stderr)
+            if result.returncode != 0:
+                return result.returncode
         out.write(
             f"\nAdmin: http://{args.addr}/admin/\n"
             "First admin user (in another terminal): .venv/bin/python manage.py createsuperuser\n"

@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.helpers import ActionForm
+from django.contrib.admin.models import CHANGE, LogEntry
 from django.core.exceptions import PermissionDenied
 from django.db.models import Q, QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
-from django.template.response import TemplateResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect, JsonResponse
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
@@ -43,6 +45,15 @@ def _params_matching(queryset: QuerySet, term: str) -> list[int]:
     ]
 
 
+def _errors_matching(queryset: QuerySet, term: str) -> list[int]:
+    """Return ids of calls whose last error, as the admin shows it (redacted), contains the term."""
+    needle = term.casefold()
+    candidates = queryset.filter(last_error__icontains=term).order_by("-id").values_list("id", "last_error")
+    return [
+        call_id for call_id, error in candidates[:PARAMS_SEARCH_CANDIDATES] if needle in redact_text(error).casefold()
+    ]
+
+
 def _pretty_json(value: Any) -> str:
     return format_html("<pre>{}</pre>", json.dumps(redact(value), indent=2, sort_keys=True, default=str))
 
@@ -62,6 +73,8 @@ class CallStateFilter(admin.SimpleListFilter):
             ("retry", "Waiting for a retry"),
             ("deferred", "Waiting after a 429"),
             ("in_flight", "In flight (dispatched or running)"),
+            ("dispatched", "Dispatched, not started"),
+            ("running", "Running"),
             ("done", "Done"),
             ("failed", "Failed (gave up)"),
             ("cancelled", "Cancelled"),
@@ -77,23 +90,28 @@ class CallStateFilter(admin.SimpleListFilter):
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals__gt=0)
         if value == "in_flight":
             return queryset.in_flight()
-        if value in {"done", "failed", "cancelled"}:
+        if value in {"dispatched", "running", "done", "failed", "cancelled"}:
             return queryset.filter(status=value)
         return queryset
 
 
 class KeyFilter(admin.SimpleListFilter):
-    """Calls that carry one key (keys with a policy or known to the limiter)."""
+    """Calls that carry one key: typed, with suggestions from every key known (no cap on the list)."""
 
     title = "key"
     parameter_name = "key"
+    template = "admin/dispatcher/key_filter.html"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        known = set(KeyState.objects.exclude(key__endswith="*").values_list("key", flat=True)[:200])
-        known.update(k for k in RateLimit.objects.values_list("key", flat=True) if not is_pattern(k))
-        if self.value():
-            known.add(self.value())
-        return [(k, k) for k in sorted(known)]
+        return []
+
+    def has_output(self) -> bool:
+        return True
+
+    def choices(self, changelist: Any) -> list[dict[str, Any]]:
+        others = [(k, v) for k, v in changelist.params.items() if k not in (self.parameter_name, "p")]
+        return [{"value": self.value() or "", "others": others, "suggest": reverse("admin:dispatcher_callqueue_keys"),
+                 "clear": changelist.get_query_string(remove=[self.parameter_name])}]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         if not self.value():
@@ -119,6 +137,21 @@ class RefuseUnstorableMixin:
         return super().changelist_view(request, extra_context)  # type: ignore[misc]
 
 
+def known_keys(term: str, limit: int = 20) -> list[str]:
+    """Return up to ``limit`` keys containing ``term``: keys with a policy, limiter state or waiting calls."""
+    from dispatcher.keys import parse_key_set
+
+    found = set(KeyState.objects.filter(key__icontains=term).exclude(key__endswith="*").values_list("key", flat=True)[:limit])
+    found.update(k for k in RateLimit.objects.filter(key__icontains=term).values_list("key", flat=True) if not is_pattern(k))
+    if len(found) < limit:
+        for text in CallQueue.objects.pending().filter(key_set__icontains=term).values_list("key_set", flat=True)[:200]:
+            found.update(k for k in parse_key_set(text) if term.lower() in k.lower())
+    return sorted(found)[:limit]
+
+
+_calls_page = threading.local()
+
+
 class ReadOnlyAdminMixin:
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
@@ -134,18 +167,24 @@ class ReadOnlyAdminMixin:
 
 @admin.register(CallQueue)
 class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
-    list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try"]
-    list_filter = [CallStateFilter, "status", "method", KeyFilter]
+    list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
+    list_filter = [CallStateFilter, "method", KeyFilter]
     search_fields = ["method"]
-    search_help_text = "Search by call id, or by text in the method, keys or params (secret values are never searched)."
+    search_help_text = (
+        "Search by call id, or by text in the method, keys, params or last error (secret values are never searched)."
+    )
+    change_form_template = "admin/dispatcher/callqueue/change_form.html"
     ordering = ["-id"]
     list_per_page = 50
+
+    class Media:
+        css = {"all": ["dispatcher/dashboard.css"]}  # the stalled-call warning
     show_full_result_count = False
     actions = ["retry_now", "cancel"]
     fields = [
         "method", "state_label", "why_waiting", "keys_label", "priority", "queue", "attempts_label", "deferrals",
-        "run_at", "created_at", "dispatched_at", "started_at", "finished_at", "params_shown", "result_shown",
-        "error_shown", "traceback_shown", "attempt_history",
+        "run_at_shown", "created_at_shown", "dispatched_at_shown", "started_at_shown", "finished_at_shown",
+        "params_shown", "result_shown", "error_shown", "traceback_shown", "attempt_history",
     ]
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
@@ -153,12 +192,73 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         term = search_term.replace("\x00", "").strip()
         if not term:
             return queryset, False
-        query = Q(method__icontains=term) | Q(key_set__icontains=term) | Q(id__in=_params_matching(queryset, term))
+        # last_error holds handlers' messages, shown redacted; it is matched on its redacted text too.
+        query = (
+            Q(method__icontains=term) | Q(key_set__icontains=term) | Q(id__in=_params_matching(queryset, term))
+            | Q(id__in=_errors_matching(queryset, term))
+        )
         number = term.removeprefix("#")
         # ASCII digits only ("²" is a digit to isdigit()), and within the id column's range.
         if number.isascii() and number.isdigit() and len(number) <= 19 and int(number) <= MAX_ID:
             query |= Q(id=int(number))
         return queryset.filter(query), False
+
+    def get_urls(self) -> list:
+        urls = [
+            path("keys/", self.admin_site.admin_view(self.keys_view), name="dispatcher_callqueue_keys"),
+            path("<int:call_id>/retry/", self.admin_site.admin_view(self.retry_view), name="dispatcher_callqueue_retry"),
+            path("<int:call_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="dispatcher_callqueue_cancel"),
+        ]
+        return urls + super().get_urls()
+
+    def keys_view(self, request: HttpRequest) -> JsonResponse:
+        """Suggest keys for the key filter, by text they contain."""
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        term = request.GET.get("term", "").strip()[:200]
+        return JsonResponse({"keys": known_keys(term) if term else []})
+
+    def _button(self, request: HttpRequest, call_id: int, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponse("use the button on the call's page", status=405, content_type="text/plain")
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        get_object_or_404(CallQueue, id=call_id)
+        getattr(self, action)(request, CallQueue.objects.filter(id=call_id))
+        return HttpResponseRedirect(reverse("admin:dispatcher_callqueue_change", args=[call_id]))
+
+    def retry_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
+        return self._button(request, call_id, "retry_now")
+
+    def cancel_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
+        return self._button(request, call_id, "cancel")
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+        # One clock read and one limiter read per page, shared by every row's "age" and "next try".
+        # Kept per thread: the admin instance is shared by every request.
+        _calls_page.now = db_now()
+        _calls_page.statuses = None
+        try:
+            response = super().changelist_view(request, extra_context)
+            if hasattr(response, "render"):
+                cl = getattr(response, "context_data", {}).get("cl")
+                if cl is not None:
+                    keys = {k for c in cl.result_list if c.status == CallQueue.Status.PENDING for k in c.keys}
+                    _calls_page.statuses = {s.key: s for s in live.key_statuses(keys, now=_calls_page.now)} if keys else {}
+                response.render()
+            return response
+        finally:
+            _calls_page.now = None
+            _calls_page.statuses = None
+
+    def _now(self) -> Any:
+        return getattr(_calls_page, "now", None) or db_now()
+
+    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> list[str]:
+        fields = list(super().get_fields(request, obj))
+        if obj is not None and obj.status in CallQueue.FINISHED:
+            fields.remove("why_waiting")  # a finished call does not wait
+        return fields
 
     def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict | None = None) -> HttpResponse:
         if request.method == "POST":
@@ -185,32 +285,86 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
 
     @admin.display(description="attempts")
     def attempts_label(self, call: CallQueue) -> str:
-        return f"{call.attempts}/{call.max_attempts}"
+        text = f"{call.attempts}/{call.max_attempts}"
+        if call.deferrals:
+            text += f" (+{call.deferrals} deferred by 429, not counted)"
+        return text
 
     @admin.display(description="age", ordering="created_at")
     def age(self, call: CallQueue) -> str:
-        end = call.finished_at or db_now()
-        return live.humanize_duration(end - call.created_at) if call.created_at else "-"
+        """Waiting or in flight: since created; finished: created to finished."""
+        if not call.created_at:
+            return "-"
+        if call.finished_at:
+            return f"{live.humanize_duration(call.finished_at - call.created_at)} (finished)"
+        return live.humanize_duration(self._now() - call.created_at)
 
     @admin.display(description="next try", ordering="run_at")
     def next_try(self, call: CallQueue) -> str:
+        """When a waiting call can start: its run_at, or later when a key's limit or pause blocks it."""
         if call.status != CallQueue.Status.PENDING:
             return "-"
-        return live.humanize(call.run_at, db_now())
+        now = self._now()
+        statuses = getattr(_calls_page, "statuses", None)
+        if statuses is None:
+            statuses = {s.key: s for s in live.key_statuses(call.keys, now=now)}
+        moment, held = max(call.run_at, now), ""
+        for key in call.keys:
+            status = statuses.get(key)
+            if status is None or not status.blocked:
+                continue
+            if status.next_free_at is None:
+                return f"when a call in flight of {key} finishes"
+            if status.next_free_at > moment:
+                moment, held = status.next_free_at, f" (limit of {key})"
+        if moment <= now:
+            return "due now"
+        return f"{live.format_moment(moment, now)}{held}"
+
+    @admin.display(description="error")
+    def error(self, call: CallQueue) -> str:
+        error = redact_text(call.last_error).strip()
+        text = error.splitlines()[0] if error else ""
+        return (text[:80] + "…" if len(text) > 80 else text) or "-"
 
     @admin.display(description="why it waits")
     def why_waiting(self, call: CallQueue) -> str:
         explanation = live.explain_call(call)
+        stalled = format_html("<p class='why-stalled'>{}</p>", explanation.stalled) if explanation.stalled else ""
         if not explanation.waiting:
-            return "not waiting"
+            return stalled or "in flight"
         if not explanation.reasons:
-            return "due now: the next dispense pass will send it"
+            text = "due now, but nothing will send it" if stalled else "due now: the next dispense pass will send it"
+            return format_html("<p>{}</p>{}", text, stalled)
         if explanation.until is None:
             until = "until a call in flight finishes"
         else:
-            until = f"until {explanation.until:%Y-%m-%d %H:%M:%S} UTC ({live.humanize(explanation.until, explanation.now)})"
+            until = f"until {live.format_moment(explanation.until, explanation.now)}"
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
-        return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>", items, until)
+        return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
+
+    def _moment(self, call: CallQueue, value: Any) -> str:
+        return live.format_moment(value, self._now()) if value else "-"
+
+    @admin.display(description="run at")
+    def run_at_shown(self, call: CallQueue) -> str:
+        return self._moment(call, call.run_at)
+
+    @admin.display(description="created at")
+    def created_at_shown(self, call: CallQueue) -> str:
+        return self._moment(call, call.created_at)
+
+    @admin.display(description="dispatched at")
+    def dispatched_at_shown(self, call: CallQueue) -> str:
+        return self._moment(call, call.dispatched_at)
+
+    @admin.display(description="started at")
+    def started_at_shown(self, call: CallQueue) -> str:
+        return self._moment(call, call.started_at)
+
+    @admin.display(description="finished at")
+    def finished_at_shown(self, call: CallQueue) -> str:
+        return self._moment(call, call.finished_at)
 
     @admin.display(description="params")
     def params_shown(self, call: CallQueue) -> str:
@@ -233,28 +387,43 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         attempts = list(call.attempt_set.order_by("id"))
         if not attempts:
             return "no attempt yet"
-        rows = format_html_join(
-            "",
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
-            (
-                (a.number, f"{a.started_at:%Y-%m-%d %H:%M:%S.%f}"[:-3],
-                 format_duration(a.finished_at - a.started_at) if a.finished_at else "-",
-                 a.get_outcome_display(), redact_text(a.error[:500]) or "-", a.worker or "-")
-                for a in attempts
-            ),
-        )
+        rows, counted, deferred = [], 0, 0
+        for a in attempts:
+            # A 429 deferral counts against the limits but not against max_attempts: say which is which.
+            if a.outcome == a.Outcome.RATE_LIMITED:
+                deferred += 1
+                label = f"deferral {deferred} (429, not counted)"
+            else:
+                counted += 1
+                label = f"attempt {counted} of {call.max_attempts}"
+            rows.append((label, f"{a.started_at.astimezone(UTC):%Y-%m-%d %H:%M:%S.%f}"[:-3] + " UTC",
+                         format_duration(a.finished_at - a.started_at) if a.finished_at else "-",
+                         a.get_outcome_display(), redact_text(a.error[:500]) or "-", a.worker or "-"))
+        body = format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>", rows)
         return format_html(
-            "<table class='attempts'><thead><tr><th>#</th><th>started</th><th>took</th><th>outcome</th>"
+            "<p>{} counted against max_attempts ({}), {} deferred by a 429.</p>"
+            "<table class='attempts'><thead><tr><th>start</th><th>started</th><th>took</th><th>outcome</th>"
             "<th>error</th><th>worker</th></tr></thead><tbody>{}</tbody></table>",
-            rows,
+            ngettext("%d attempt", "%d attempts", counted) % counted, call.max_attempts,
+            ngettext("%d start", "%d starts", deferred) % deferred, body,
         )
+
+    def _log(self, request: HttpRequest, ids: list[int], message: str) -> None:
+        """Leave admin history: who did what to which calls or policies."""
+        if ids:
+            LogEntry.objects.log_actions(request.user.pk, self.model.objects.filter(id__in=ids), CHANGE, message,
+                                         single_object=len(ids) == 1)
 
     @admin.action(description="Retry now (failed calls get one more attempt)", permissions=["change"])
     def retry_now(self, request: HttpRequest, queryset: QuerySet) -> None:
         eligible = list(queryset.filter(status__in=[CallQueue.Status.PENDING, CallQueue.Status.FAILED]).values_list("id", flat=True))
         skipped = queryset.count() - len(eligible)
         done = CallQueue.objects.retry_now(eligible)
-        self.message_user(request, ngettext("%d call will be retried now.", "%d calls will be retried now.", done) % done)
+        self._log(request, eligible, "Retried now")
+        self.message_user(request, ngettext("%d call is due now.", "%d calls are due now.", done) % done)
+        held = self._held(eligible)
+        if held:
+            self.message_user(request, held, messages.WARNING)
         if skipped:
             self.message_user(
                 request,
@@ -263,13 +432,32 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
                 messages.WARNING,
             )
 
+    def _held(self, ids: list[int]) -> str:
+        """Say when calls just made due will really start, if a limit or pause holds them back."""
+        if not ids:
+            return ""
+        calls = list(CallQueue.objects.filter(id__in=ids[:200], status=CallQueue.Status.PENDING))
+        explanations = [(c, live.explain_call(c)) for c in calls]
+        held = [(c, e) for c, e in explanations if e.reasons]
+        if not held:
+            return ""
+        call, first = held[0]
+        when = "when a call in flight finishes" if first.until is None else f"at {live.format_moment(first.until, first.now)}"
+        text = f"Call #{call.id} still waits: {first.reasons[0].text}; it will start {when}."
+        if len(held) > 1:
+            text += f" {len(held) - 1} more of the calls wait for their keys' limits too."
+        return text
+
     @admin.action(description="Cancel (waiting calls only)", permissions=["change"])
     def cancel(self, request: HttpRequest, queryset: QuerySet) -> None:
-        ids = list(queryset.values_list("id", flat=True))
+        ids = list(queryset.filter(status=CallQueue.Status.PENDING).values_list("id", flat=True))
+        total = queryset.count()
         done = CallQueue.objects.cancel(ids)
+        cancelled = list(CallQueue.objects.filter(id__in=ids, status=CallQueue.Status.CANCELLED).values_list("id", flat=True))
+        self._log(request, cancelled, "Cancelled")
         self.message_user(request, ngettext("%d call cancelled.", "%d calls cancelled.", done) % done)
-        if len(ids) - done:
-            skipped = len(ids) - done
+        if total - done:
+            skipped = total - done
             self.message_user(
                 request,
                 ngettext("%d call was not waiting and was left alone.", "%d calls were not waiting and were left alone.", skipped) % skipped,
@@ -328,6 +516,35 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     list_display = ["key", "policy_label", "usage", "in_flight", "waiting", "oldest_wait", "paused_until", "next_free_slot"]
     search_fields = ["key"]
     actions = ["pause", "resume"]
+    change_form_template = "admin/dispatcher/ratelimit/change_form.html"
+
+    class Media:
+        css = {"all": ["dispatcher/dashboard.css"]}
+
+    def get_urls(self) -> list:
+        urls = [
+            path("<int:policy_id>/pause/", self.admin_site.admin_view(self.pause_view), name="dispatcher_ratelimit_pause"),
+            path("<int:policy_id>/resume/", self.admin_site.admin_view(self.resume_view), name="dispatcher_ratelimit_resume"),
+        ]
+        return urls + super().get_urls()
+
+    def _button(self, request: HttpRequest, policy_id: int, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponse("use the button on the policy's page", status=405, content_type="text/plain")
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        get_object_or_404(RateLimit, id=policy_id)
+        getattr(self, action)(request, RateLimit.objects.filter(id=policy_id))
+        return HttpResponseRedirect(reverse("admin:dispatcher_ratelimit_change", args=[policy_id]))
+
+    def pause_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
+        return self._button(request, policy_id, "pause")
+
+    def resume_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
+        return self._button(request, policy_id, "resume")
+
+    def _log(self, request: HttpRequest, queryset: QuerySet, message: str) -> None:
+        LogEntry.objects.log_actions(request.user.pk, queryset, CHANGE, message, single_object=queryset.count() == 1)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
@@ -398,8 +615,8 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
             if not pauses:
                 return "-"
             latest = max(pauses, key=lambda s: s.paused_until)
-            return f"{latest.paused_until:%H:%M:%S} ({live.humanize(latest.paused_until, latest.now)})"
-        return f"{state.paused_until:%H:%M:%S} ({live.humanize(state.paused_until, db_now())})"
+            return live.format_moment(latest.paused_until, latest.now)
+        return live.format_moment(state.paused_until, db_now())
 
     @admin.display(description="next free slot")
     def next_free_slot(self, policy: RateLimit) -> str:
@@ -427,61 +644,22 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         keys = sorted(set(queryset.values_list("key", flat=True)))
         for key in keys:
             until = RateLimit.objects.pause_key(key, duration)
+        self._log(request, queryset, f"Paused for {format_duration(duration)}")
         self.message_user(
             request,
             ngettext("%(n)d key paused until %(until)s.", "%(n)d keys paused until %(until)s.", len(keys))
-            % {"n": len(keys), "until": f"{until:%Y-%m-%d %H:%M:%S} UTC"},
+            % {"n": len(keys), "until": live.format_moment(until, db_now())},
         )
 
     @admin.action(description="Resume the selected keys", permissions=["change"])
     def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
         lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
+        if lifted:
+            self._log(request, queryset, "Resumed")
         self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)
 
 
-# --- dashboard -----------------------------------------------------------------------------
-
-CHART_WIDTH, CHART_HEIGHT, CHART_PAD = 600, 160, 30
-
-
-def chart(status: live.KeyStatus) -> dict[str, Any]:
-    """Lay out one key's bar chart of starts per minute (last hour) with its limit line, as SVG numbers."""
-    series = live.starts_per_minute(status.key, now=status.now)
-    peak = max([n for _, n in series] + [1])
-    limit_line = min((p.per_minute for p in status.policies), default=None)
-    top = max(peak, limit_line or 0) * 1.15
-    inner_w, inner_h = CHART_WIDTH - CHART_PAD, CHART_HEIGHT - CHART_PAD
-    slot = inner_w / len(series)
-    bars = []
-    for i, (minute, n) in enumerate(series):
-        height = inner_h * n / top
-        bars.append({
-            "x": round(CHART_PAD + i * slot + 1, 1), "y": round(inner_h - height + 5, 1),
-            "w": round(max(slot - 2, 1), 1), "h": round(height, 1), "n": n, "minute": f"{minute:%H:%M}",
-        })
-    line_y = round(inner_h - inner_h * limit_line / top + 5, 1) if limit_line else None
-    return {
-        "width": CHART_WIDTH, "height": CHART_HEIGHT, "pad": CHART_PAD, "bars": bars, "peak": peak,
-        "total": sum(n for _, n in series), "limit_per_minute": round(limit_line, 2) if limit_line else None,
-        "line_y": line_y, "axis_y": inner_h + 5, "top_label": round(top), "first": bars[0]["minute"], "last": bars[-1]["minute"],
-    }
-
-
-def dashboard_view(request: HttpRequest) -> HttpResponse:
-    """Per key: starts per minute over the last hour against the limit, backlog and drain estimate."""
-    if not (request.user.has_perm("dispatcher.view_callqueue") or request.user.has_perm("dispatcher.view_ratelimit")):
-        raise PermissionDenied
-    rows = []
-    for status in live.key_statuses():
-        rows.append({
-            "status": status,
-            "chart": chart(status),
-            "policies": ", ".join(p.label() for p in status.policies) or "no limit",
-            "oldest_wait": live.humanize_duration(status.oldest_wait),
-            "drain": live.humanize_duration(status.drain_time) if status.waiting else "-",
-            "next_free": live.humanize(status.next_free_at, status.now),
-            "paused": live.humanize(status.paused_until, status.now) if status.paused_until else "",
-        })
-    context = {**admin.site.each_context(request), "title": "Dispatcher dashboard", "rows": rows}
-    return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)
-
+# The admin index says whether dispensers and workers run and links the dashboard
+# (a project with its own index template keeps it).
+if admin.site.index_template is None:
+    admin.site.index_template = "admin/dispatcher/index.html"

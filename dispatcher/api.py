@@ -105,6 +105,7 @@ def call_data(call: Any) -> dict[str, Any]:
         data["waiting"] = {
             "reasons": [{"kind": r.kind, "key": r.key or None, "text": r.text} for r in explanation.reasons],
             "until": explanation.until.isoformat() if explanation.until else None,
+            "stalled": explanation.stalled or None,
         }
     return data
 

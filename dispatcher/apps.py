@@ -15,6 +15,7 @@ class DispatcherConfig(AppConfig):
 
         from dispatcher import checks  # noqa: F401 - registers system checks
         from dispatcher.beat import connect_beat_signals, on_post_migrate
+        from dispatcher.liveness import connect_worker_signals
         from dispatcher.redact import RedactingFilter
         from dispatcher.storedtimes import install as read_stored_times_within_bounds
 
@@ -29,3 +30,4 @@ class DispatcherConfig(AppConfig):
             logger = logging.getLogger(name)
             if not any(isinstance(f, RedactingFilter) for f in logger.filters):
                 logger.addFilter(RedactingFilter())
+        connect_worker_signals()

@@ -87,6 +87,10 @@ class DispatcherSettings:
         "100ms", parse_duration,
         "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",
     )
+    HEARTBEAT_TIMEOUT = Setting(
+        "1m", parse_duration,
+        "A dispenser or worker silent for this long is reported as not running (heartbeats every quarter of it).",
+    )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
     HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")

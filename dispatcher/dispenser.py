@@ -12,7 +12,7 @@ from datetime import datetime
 
 from django.db import close_old_connections, connection
 
-from dispatcher import limiter
+from dispatcher import limiter, liveness
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.faults import maybe_fail
@@ -98,9 +98,11 @@ class Dispenser:
         """Run passes until ``stop`` is set; sleep until the next slot or a wake-up."""
         waiter = Waiter()
         passes = 0
+        name = liveness.process_name(liveness.DISPENSER)
         try:
             while not stop.is_set() and (max_passes is None or passes < max_passes):
                 passes += 1
+                liveness.beat(liveness.DISPENSER, name)  # at most once per heartbeat interval
                 try:
                     report = self.run_once()
                 except Exception:
@@ -121,6 +123,7 @@ class Dispenser:
                 waiter.wait(timeout, stop)
         finally:
             waiter.close()
+            liveness.stopped(name)
         return passes
 
 

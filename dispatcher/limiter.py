@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from django.db import connection, models
 from django.db.models import Q
 
+from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, pattern_matches
 
 UNLIMITED = 10**9
@@ -256,7 +257,7 @@ def check_key(
         # their slots free one period from now at the earliest: look again then.
         must_expire = used + reserved - policy.limit + 1
         until = _slot_frees_at(key, policy, now, must_expire) if must_expire <= used else now + policy.period
-        reason = f"{policy.limit} per {policy.period.total_seconds():g}s used"
+        reason = f"{policy.limit} per {format_duration(policy.period)} used"
         verdicts.append(Verdict(room=0, until=until, reason=reason, key=key))
     return combine(verdicts)
 

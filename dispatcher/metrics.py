@@ -43,6 +43,7 @@ class DispatcherCollector(Collector):
         yield from self._attempts()
         yield self._wait_histogram()
         yield from self._limiter()
+        yield from self._liveness()
 
     def _calls(self) -> Iterator:
         from dispatcher.models import CallQueue
@@ -138,6 +139,24 @@ class DispatcherCollector(Collector):
             in_flight.add_metric([key], s.in_flight)
             paused.add_metric([key], 1 if s.paused_until else 0)
         yield from (utilisation, used, limit, in_flight, paused)
+
+    def _liveness(self) -> Iterator:
+        from dispatcher import liveness
+
+        state = liveness.read()
+        alive = GaugeMetricFamily(
+            "dispatcher_processes_alive", "Dispensers and workers whose heartbeat is within the timeout.", labels=["kind"]
+        )
+        age = GaugeMetricFamily(
+            "dispatcher_heartbeat_age_seconds", "Seconds since the latest heartbeat of a kind (absent: never seen).",
+            labels=["kind"],
+        )
+        for kind in (liveness.DISPENSER, liveness.WORKER):
+            alive.add_metric([kind], len(state.alive(kind)))
+            last = state.last_seen(kind)
+            if last is not None:
+                age.add_metric([kind], max((state.now - last).total_seconds(), 0.0))
+        yield from (alive, age)
 
 
 def _allowed(request: HttpRequest) -> bool:

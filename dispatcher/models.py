@@ -193,3 +193,26 @@ class KeyStart(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} @ {self.started_at.isoformat()}"
+
+
+class Heartbeat(models.Model):
+    """A dispenser or worker process saying it is alive (see dispatcher.liveness)."""
+
+    class Kind(models.TextChoices):
+        # A `dispense --loop` process, or beat's dispense task in a worker.
+        DISPENSER = "dispenser", "Dispenser"
+        # A Celery worker (its main process; the pool's children run the calls).
+        WORKER = "worker", "Worker"
+
+    name = models.CharField(max_length=200, primary_key=True, help_text="Process identity: kind, host and pid.")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    started_at = models.DateTimeField(db_default=Now())
+    seen_at = models.DateTimeField(db_default=Now(), help_text="Its latest heartbeat.")
+    stopped_at = models.DateTimeField(null=True, blank=True, help_text="Set when it shut down cleanly.")
+
+    class Meta:
+        db_table = "dispatcher_heartbeat"
+        indexes = [models.Index(fields=["kind", "-seen_at"], name="dispatcher_heartbeat_kind_idx")]
+
+    def __str__(self) -> str:
+        return self.name

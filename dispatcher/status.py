@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db.models import Count, Min, Q
@@ -154,20 +154,26 @@ class WaitReason:
 
 @dataclass
 class WaitExplanation:
-    """Why a call waits and until when (``until`` None: until something else finishes)."""
+    """Why a call waits and until when (``until`` None: until something else finishes).
+
+    ``stalled`` says what keeps it from moving when a dispenser or worker is missing
+    ("no dispenser has run since …", "dispatched 4 min ago, no worker has picked it up").
+    """
 
     waiting: bool
     reasons: list[WaitReason]
     until: datetime | None
     now: datetime
+    stalled: str = ""
 
     def summary(self) -> str:
         if not self.waiting:
-            return "not waiting"
-        if not self.reasons:
-            return "due now: the next dispense pass will send it"
-        lines = [r.text for r in self.reasons]
-        return "; ".join(lines)
+            text = "not waiting"
+        elif not self.reasons:
+            text = "due now, but nothing will send it" if self.stalled else "due now: the next dispense pass will send it"
+        else:
+            text = "; ".join(r.text for r in self.reasons)
+        return f"{text}; {self.stalled}" if self.stalled else text
 
 
 def humanize(moment: datetime | None, now: datetime) -> str:
@@ -179,6 +185,20 @@ def humanize(moment: datetime | None, now: datetime) -> str:
     if text == "now":
         return text
     return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def format_moment(moment: datetime | None, now: datetime) -> str:
+    """Write a moment the one way every screen does: "2026-11-21 15:02:11 UTC (in 3 min)"."""
+    if moment is None:
+        return "-"
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC ({humanize(moment, now)})"
+
+
+def pause_text(reason: str) -> str:
+    """Say how a key is paused: "paused by operator", "paused (429 from call #3)"."""
+    if not reason:
+        return "paused"
+    return reason if reason.startswith("paused") else f"paused ({reason})"
 
 
 def humanize_duration(value: timedelta | None) -> str:
@@ -298,22 +318,26 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
 
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
+    from dispatcher import liveness
     from dispatcher.models import KeyState
 
     now = now or db_now()
-    if call.status != "pending":
+    if call.status not in ("pending", "dispatched", "running"):
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
+    stalled = liveness.stall(call, liveness.read(now))
+    if call.status != "pending":
+        return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
     policies = policies or limiter.Policies.load()
     reasons: list[WaitReason] = []
     if call.run_at and call.run_at > now:
-        when = humanize(call.run_at, now)
+        when = format_moment(call.run_at, now)
         last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
         if last == "rate_limited":
-            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try {when}", call.run_at))
+            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
         elif last is not None:
             reasons.append(WaitReason(
                 "backoff",
-                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try {when}",
+                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try at {when}",
                 call.run_at,
             ))
         else:
@@ -326,8 +350,10 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
             continue
         if verdict.reason == "paused":
             state = states.get(key)
-            why = f" ({state.pause_reason})" if state and state.pause_reason else ""
-            reasons.append(WaitReason("paused", f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
+            reasons.append(WaitReason(
+                "paused", f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
+                verdict.until, key,
+            ))
         elif verdict.reason.startswith("concurrency"):
             reasons.append(WaitReason(
                 "concurrency",
@@ -336,7 +362,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
                 key,
             ))
         else:
-            frees = humanize(verdict.until, now) if verdict.until else "when calls already dispatched start"
+            frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
             reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
@@ -344,7 +370,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
         until = None
     else:
         until = max(r.until for r in reasons if r.until is not None)
-    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now)
+    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled)
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:
@@ -363,3 +389,55 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
         .order_by()
     }
     return [(start + timedelta(minutes=i), counts.get(start + timedelta(minutes=i), 0)) for i in range(minutes)]
+
+
+def call_totals() -> dict[str, int]:
+    """Return how many calls are stored in each status (every status named, zeros included)."""
+    from dispatcher.models import CallQueue
+
+    counts = dict(CallQueue.objects.values_list("status").annotate(n=Count("id")).order_by())
+    return {status: counts.get(status, 0) for status in CallQueue.Status.values}
+
+
+@dataclass
+class KeyFailures:
+    """Errors and give-ups of one key's calls over a recent span, with the latest error."""
+
+    key: str
+    errors: int = 0
+    failed: int = 0
+    latest_error: str = ""
+    latest_id: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "errors": self.errors, "failed": self.failed, "latest_error": self.latest_error}
+
+
+def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list[KeyFailures]:
+    """Return per key the attempts that ended in error and the calls that gave up within ``span``, worst first."""
+    from django.db.models import Max
+
+    from dispatcher.models import Attempt, CallQueue
+
+    since = now - span
+    found: dict[str, KeyFailures] = {}
+    errors = (
+        Attempt.objects.filter(finished_at__gte=since, outcome__in=["error", "failed", "lost"])
+        .values("call__key_set").annotate(n=Count("id"), last=Max("id")).order_by()
+    )
+    for row in errors:
+        for key in parse_key_set(row["call__key_set"]) or [""]:
+            item = found.setdefault(key, KeyFailures(key))
+            item.errors += row["n"]
+            item.latest_id = max(item.latest_id, row["last"])
+    failed = (
+        CallQueue.objects.filter(status="failed", finished_at__gte=since)
+        .values("key_set").annotate(n=Count("id")).order_by()
+    )
+    for row in failed:
+        for key in parse_key_set(row["key_set"]) or [""]:
+            found.setdefault(key, KeyFailures(key)).failed += row["n"]
+    texts = dict(Attempt.objects.filter(id__in={f.latest_id for f in found.values() if f.latest_id}).values_list("id", "error"))
+    for item in found.values():
+        item.latest_error = (texts.get(item.latest_id, "").strip().splitlines() or [""])[0][:200]
+    return sorted(found.values(), key=lambda f: (-f.failed, -f.errors, f.key))

@@ -45,8 +45,11 @@ def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
 @shared_task(name="dispatcher.dispense", ignore_result=True)
 def dispense(max_passes: int = 20) -> int:
     """Run dispense passes while each fills its batch (bounded); return calls moved."""
+    from dispatcher import liveness
     from dispatcher.dispenser import Dispenser
 
+    # One row per machine: whichever pool process runs beat's task, it is one dispenser there.
+    liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task", pid=False))
     dispenser = Dispenser()
     moved = 0
     for _ in range(max_passes):

@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from dispatcher.admin import dashboard_view
+from dispatcher.dashboard import dashboard_view
 from dispatcher.metrics import metrics_view
 from project import views
 

@@ -20,3 +20,7 @@ TASKS = {
         "OPTIONS": {"keys": {"tests.testapp.tasks.fetch_account": ["partner", "partner:{account}"]}},
     }
 }
+# Test-client tests render the admin without running collectstatic first; the manifest storage
+# of production would refuse to name files it has not hashed. The browser test serves the
+# project's own settings (tests/test_browser.py), manifest and WhiteNoise included.
+STORAGES = {**STORAGES, "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}  # noqa: F405

@@ -127,7 +127,7 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
     now = db_now()
     if reason == "run_at":
         call = send(run_at=now + timedelta(minutes=10))
-        expected = ["scheduled: run_at is in 10 min", "Waits until"]
+        expected = ["scheduled: run_at is 20", "UTC (in 10 min)", "Waits until"]
     elif reason == "backoff":
         call = send(attempts=1, run_at=now + timedelta(seconds=40), last_error="boom")
         Attempt.objects.create(call=call, number=1, started_at=now, outcome="error")
@@ -139,12 +139,12 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
     elif reason == "paused":
         RateLimit.objects.pause_key("api", timedelta(minutes=5), reason="maintenance")
         call = send()
-        expected = ["key api is paused (maintenance) until in 5 min"]
+        expected = ["key api is paused (maintenance) until 20", "UTC (in 5 min)"]
     elif reason == "rate":
         RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
         KeyStart.objects.create(key="api", started_at=now - timedelta(seconds=30))
         call = send()
-        expected = ["key api: 1 per 60s used; next slot frees in 30 s"]
+        expected = ["key api: 1 per 1m used; next slot frees at 20", "UTC (in 30 s)"]
     else:
         RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
         KeyState.objects.update_or_create(key="api", defaults={"running": 1})
@@ -175,7 +175,7 @@ def test_retry_now_gives_a_failed_call_one_more_attempt_and_leaves_done_calls(op
     later = send(run_at=db_now() + timedelta(hours=1))
     response = run_action(operator, CALLS, "retry_now", [failed.id, done.id, later.id])
     text = response.content.decode()
-    assert "2 calls will be retried now." in text and "1 call was not waiting or failed" in text
+    assert "2 calls are due now." in text and "1 call was not waiting or failed" in text
     failed.refresh_from_db(), done.refresh_from_db(), later.refresh_from_db()
     assert (failed.status, failed.max_attempts, failed.finished_at) == ("pending", 4, None)
     assert failed.run_at <= db_now()
@@ -329,7 +329,9 @@ def test_viewer_cannot_edit_or_pause_policies(viewer):
 def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=now - timedelta(minutes=2, seconds=s)) for s in range(7)])
+    # Seven starts inside one minute, two minutes ago (not straddling a minute's edge).
+    minute = now.replace(second=30, microsecond=0) - timedelta(minutes=2)
+    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=minute - timedelta(seconds=s)) for s in range(7)])
     for _ in range(25):
         send()
     page = viewer.get(DASHBOARD).content.decode()
@@ -362,3 +364,186 @@ def test_view_only_staff_can_read_calls_and_limits(viewer):
     assert viewer.get(f"{CALLS}{call.id}/change/").status_code == 200
     assert viewer.get(LIMITS).status_code == 200
     assert viewer.get(f"{LIMITS}add/").status_code == 403
+
+
+def test_dashboard_splits_bars_into_done_error_and_429(viewer):
+    now = db_now()
+    for outcome in ("done", "done", "error", "rate_limited"):
+        call = send()
+        Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
+        KeyStart.objects.create(key="api", started_at=now - timedelta(minutes=3))
+    page = viewer.get(DASHBOARD).content.decode()
+    assert '<rect class="seg seg-done"' in page and 'data-n="2"' in page
+    assert page.count('<rect class="seg seg-error"') == 1 and page.count('<rect class="seg seg-429"') == 1
+    assert "(2 done, 1 error, 1 deferred by 429)" in page
+
+
+def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer):
+    RateLimit.objects.set_policy("full", 1, timedelta(hours=1))
+    KeyStart.objects.create(key="full", started_at=db_now())
+    for _ in range(3):
+        send(keys=["busy"])
+    send(keys=["quiet"])
+    send(keys=["full"])
+    keys = [row["status"].key for row in viewer.get(DASHBOARD).context["rows"]]
+    assert keys == ["full", "busy", "quiet"]
+
+
+def test_dashboard_filters_and_paginates_keys(viewer):
+    for i in range(45):
+        send(keys=[f"tenant:{i:02d}"])
+    send(keys=["other"])
+    first = viewer.get(DASHBOARD, {"q": "tenant"})
+    assert len(first.context["rows"]) == 20 and first.context["matching"] == 45
+    page = first.content.decode()
+    assert "page 1 of 3" in page and 'href="?q=tenant&amp;page=2"' in page
+    last = viewer.get(DASHBOARD, {"q": "tenant", "page": 3}).context["rows"]
+    assert [r["status"].key for r in last] == [f"tenant:{i:02d}" for i in range(40, 45)]
+    assert viewer.get(DASHBOARD, {"q": "nothing-like-it"}).content.decode().count("No key matches.") == 1
+
+
+def test_dashboard_refreshes_itself_unless_told_not_to(viewer):
+    assert '<meta http-equiv="refresh" content="30">' in viewer.get(DASHBOARD).content.decode()
+    assert 'http-equiv="refresh"' not in viewer.get(DASHBOARD, {"refresh": 0}).content.decode()
+
+
+@pytest.mark.parametrize("params", [{"refresh": "soon"}, {"refresh": "-1"}, {"only": "everything"}])
+def test_dashboard_refuses_bad_parameters(viewer, params):
+    response = viewer.get(DASHBOARD, params)
+    assert response.status_code == 400 and response.content
+
+
+def test_admin_index_links_the_dashboard(viewer):
+    assert 'href="/admin/dispatcher/dashboard/"' in viewer.get("/admin/").content.decode()
+
+
+# --- calls list and page for operators (issue 15) -------------------------------------------------
+
+
+def test_next_try_shows_when_a_limit_lets_the_call_start(operator):
+    RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
+    KeyStart.objects.create(key="api", started_at=db_now() - timedelta(minutes=1))
+    send()
+    row = operator.get(CALLS).content.decode()
+    assert "UTC (in 59 min) (limit of api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
+
+
+def test_age_of_a_finished_call_is_created_to_finished(operator):
+    now = db_now()
+    send(status="done", created_at=now - timedelta(hours=3), finished_at=now - timedelta(hours=3) + timedelta(seconds=42))
+    assert "42 s (finished)" in operator.get(CALLS).content.decode()
+
+
+def test_errors_are_shown_and_searchable(operator):
+    failing = send(status="failed", finished_at=db_now(), last_error="HTTPError: 503 from upstream gateway\nmore")
+    send()
+    page = operator.get(CALLS).content.decode()
+    assert "HTTPError: 503 from upstream gateway" in page
+    assert list(operator.get(CALLS, {"q": "upstream gateway"}).context["cl"].result_list) == [failing]
+
+
+def test_one_state_filter_covers_every_status(operator):
+    page = operator.get(CALLS).content.decode()
+    assert "By state" in page and "By status" not in page
+    running, dispatched = send(status="running"), send(status="dispatched")
+    assert list(operator.get(CALLS, {"state": "dispatched"}).context["cl"].result_list) == [dispatched]
+    assert list(operator.get(CALLS, {"state": "running"}).context["cl"].result_list) == [running]
+
+
+def test_key_filter_reaches_any_of_many_keys(operator):
+    KeyState.objects.bulk_create([KeyState(key=f"tenant:{i:03d}") for i in range(300)])
+    wanted = send(keys=["tenant:299"])
+    send(keys=["tenant:001"])
+    assert list(operator.get(CALLS, {"key": "tenant:299"}).context["cl"].result_list) == [wanted]
+    suggested = operator.get(f"{CALLS}keys/", {"term": "tenant:29"}).json()["keys"]
+    assert suggested == [f"tenant:{i}" for i in range(290, 300)]
+    assert operator.get(f"{CALLS}keys/", {"term": "never-seen"}).json() == {"keys": []}
+
+
+def test_call_page_buttons_retry_and_cancel_and_leave_history(operator):
+    from django.contrib.admin.models import LogEntry
+
+    failed = send(status="failed", attempts=3, finished_at=db_now(), last_error="boom")
+    page = operator.get(f"{CALLS}{failed.id}/change/").content.decode()
+    assert 'id="call-retry"' in page and 'id="call-cancel"' not in page
+    response = operator.post(f"{CALLS}{failed.id}/retry/", follow=True)
+    assert "1 call is due now." in response.content.decode()
+    failed.refresh_from_db()
+    assert failed.status == "pending"
+    operator.post(f"{CALLS}{failed.id}/cancel/")
+    failed.refresh_from_db()
+    assert failed.status == "cancelled"
+    history = list(LogEntry.objects.filter(object_id=str(failed.id)).order_by("id").values_list("user__username", "change_message"))
+    assert history == [("op", "Retried now"), ("op", "Cancelled")]
+    assert operator.get(f"{CALLS}{failed.id}/retry/").status_code == 405
+
+
+def test_call_page_buttons_need_the_change_permission(viewer):
+    call = send()
+    assert 'id="call-cancel"' not in viewer.get(f"{CALLS}{call.id}/change/").content.decode()
+    assert viewer.post(f"{CALLS}{call.id}/cancel/").status_code == 403
+    call.refresh_from_db()
+    assert call.status == "pending"
+
+
+def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator):
+    RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
+    KeyStart.objects.create(key="api", started_at=db_now() - timedelta(minutes=30))
+    call = send(run_at=db_now() + timedelta(minutes=5))
+    text = run_action(operator, CALLS, "retry_now", [call.id]).content.decode()
+    assert "1 call is due now." in text
+    assert f"Call #{call.id} still waits: key api: 1 per 1h used" in text and "it will start at 20" in text
+    assert "UTC (in 30 min)." in text
+
+
+def test_policy_page_pause_and_resume_buttons_leave_history(operator):
+    from django.contrib.admin.models import LogEntry
+
+    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    page = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
+    assert 'id="policy-pause"' in page and 'id="policy-resume"' in page
+    assert "2 min" not in operator.post(f"{LIMITS}{policy.id}/pause/", {"duration": "soon"}, follow=True).content.decode()
+    assert not KeyState.objects.filter(key="api", paused_until__isnull=False).exists()
+    text = operator.post(f"{LIMITS}{policy.id}/pause/", {"duration": "2m"}, follow=True).content.decode()
+    assert "1 key paused until 20" in text and "UTC (in 2 min)" in text
+    assert KeyState.objects.get(key="api").paused_until > db_now()
+    operator.post(f"{LIMITS}{policy.id}/resume/")
+    assert KeyState.objects.get(key="api").paused_until is None
+    messages = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id").values_list("change_message", flat=True))
+    assert messages == ["Paused for 2m", "Resumed"]
+
+
+def test_finished_call_page_has_no_why_it_waits_and_one_time_format(operator):
+    call = send(status="done", finished_at=db_now())
+    page = operator.get(f"{CALLS}{call.id}/change/").content.decode()
+    assert "Why it waits" not in page and "not waiting" not in page
+    assert page.count(" UTC (") >= 3 and "p.m." not in page and "a.m." not in page
+
+
+def test_attempt_history_tells_429_deferrals_from_counted_attempts(operator):
+    call = send(deferrals=2, attempts=1)
+    now = db_now()
+    for number, outcome in enumerate(["rate_limited", "rate_limited", "error"], start=1):
+        Attempt.objects.create(call=call, number=number, started_at=now, finished_at=now, outcome=outcome)
+    page = operator.get(f"{CALLS}{call.id}/change/").content.decode()
+    assert "deferral 1 (429, not counted)" in page and "deferral 2 (429, not counted)" in page
+    assert "attempt 1 of 3" in page and "1 attempt counted against max_attempts (3), 2 starts deferred by a 429." in page
+    assert "1/3 (+2 deferred by 429, not counted)" in page
+
+
+def test_paused_wording_does_not_repeat_itself(operator):
+    RateLimit.objects.pause_key("api", timedelta(minutes=2))
+    page = operator.get(f"{CALLS}{send().id}/change/").content.decode()
+    assert "key api is paused by operator until 20" in page and "(paused by operator)" not in page
+    assert "until in" not in page
+
+
+def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
+    from django.contrib.admin.models import LogEntry
+
+    operator.post(f"{LIMITS}add/", policy_form())
+    policy = RateLimit.objects.get()
+    operator.post(f"{LIMITS}{policy.id}/change/", policy_form(limit="7"))
+    entries = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id"))
+    assert [(e.user.username, e.is_addition(), e.is_change()) for e in entries] == [("op", True, False), ("op", False, True)]
+    assert entries[1].get_change_message() == "Changed limit."

@@ -51,3 +51,9 @@ def test_dockerfile_installs_the_pinned_requirements():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "pip install --no-cache-dir -r requirements.txt" in dockerfile
     assert "gunicorn" in (ROOT / "requirements.txt").read_text()
+
+
+def test_the_image_collects_the_static_files_whitenoise_serves():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "manage.py collectstatic --noinput" in dockerfile
+    assert "whitenoise==" in (ROOT / "requirements.txt").read_text()

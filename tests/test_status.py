@@ -47,7 +47,7 @@ def test_key_status_counts_window_flight_and_backlog(busy_key):
     assert (status.waiting, status.due) == (4, 3)
     assert 295 <= status.oldest_wait.total_seconds() <= 330
     # 2 started + 1 reserved fill the 3 per minute: blocked until the start 40 s ago leaves the window.
-    assert status.blocked and "3 per 60s used" in status.blocked_reason
+    assert status.blocked and "3 per 1m used" in status.blocked_reason
     assert 15 <= (status.next_free_at - status.now).total_seconds() <= 21
     # No room now; 4 waiting need ceil(4 / 3) = 2 more windows of a minute.
     assert status.drain_time == timedelta(minutes=2)
@@ -105,7 +105,7 @@ def test_explains_a_full_window_with_the_time_its_slot_frees():
     explanation = live.explain_call(call)
     (reason,) = explanation.reasons
     assert reason.kind == "rate" and reason.key == "api"
-    assert "2 per 60s used" in reason.text and "next slot frees in 10 s" in reason.text
+    assert "2 per 1m used" in reason.text and "next slot frees at 20" in reason.text and "UTC (in 10 s)" in reason.text
     assert 8 <= (explanation.until - explanation.now).total_seconds() <= 12
 
 
@@ -146,7 +146,7 @@ def test_dispatcher_status_json_matches_the_known_state(busy_key):
     assert api["policies"] == [{"policy_key": "api", "limit": 3, "period_seconds": 60.0, "used": 2, "utilisation": 0.6667}]
     assert (api["concurrency"], api["in_flight"], api["reserved"], api["running"]) == (2, 1, 1, 0)
     assert (api["waiting"], api["due"], api["room"], api["drain_seconds"]) == (4, 3, 0, 120.0)
-    assert api["paused_until"] is None and api["blocked_reason"] == "3 per 60s used"
+    assert api["paused_until"] is None and api["blocked_reason"] == "3 per 1m used"
     assert 295 <= api["oldest_wait_seconds"] <= 330
     assert api["next_free_at"] > data["now"]
 
@@ -155,7 +155,9 @@ def test_dispatcher_status_table_is_human_friendly(busy_key):
     RateLimit.objects.pause_key("api", timedelta(minutes=3))
     out = StringIO()
     call_command("dispatcher_status", stdout=out)
-    header, row = out.getvalue().splitlines()
+    lines = out.getvalue().splitlines()
+    header = next(line for line in lines if line.startswith("KEY"))
+    row = lines[lines.index(header) + 1]
     assert header.split()[:2] == ["KEY", "POLICY"]
     assert row.startswith("api") and "3 per 1m" in row and "2/3" in row and "1/2" in row
     assert "in 3 min" in row and "5 min" in row

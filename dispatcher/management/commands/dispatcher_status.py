@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import UTC
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -14,7 +15,10 @@ MAX_WATCH_ROUNDS = 100_000
 
 
 class Command(BaseCommand):
-    help = "Show per key: limits, used in the window, in flight, waiting, oldest wait, paused until, next free slot."
+    help = (
+        "Show whether dispensers and workers run, call totals, per key limits, used in the window, in flight, "
+        "waiting, oldest wait, paused until, next free slot, and recent failures per key."
+    )
 
     def add_arguments(self, parser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON for scripts")
@@ -32,7 +36,7 @@ class Command(BaseCommand):
             raise CommandError(f"--watch: {exc}") from None
         try:
             for _ in range(MAX_WATCH_ROUNDS):
-                text = self.render(keys, as_json)
+                text = self.render(keys, as_json, watch=watch)
                 if not as_json and self.stdout.isatty():
                     self.stdout.write("\033[H\033[2J", ending="")
                 self.stdout.write(text)
@@ -41,13 +45,32 @@ class Command(BaseCommand):
         except KeyboardInterrupt:
             pass
 
-    def render(self, keys: list[str] | None, as_json: bool) -> str:
+    def render(self, keys: list[str] | None, as_json: bool, watch: str | None = None) -> str:
+        from dispatcher import liveness
+
         statuses = live.key_statuses(keys)
+        state = liveness.read(statuses[0].now if statuses else None)
+        totals = live.call_totals()
+        failures = [f for f in live.recent_failures(state.now) if keys is None or f.key in keys]
         if as_json:
-            now = statuses[0].now.isoformat() if statuses else None
-            return json.dumps({"now": now, "keys": [s.as_dict() for s in statuses]}, indent=2)
+            return json.dumps({"now": state.now.isoformat(), "liveness": state.as_dict(), "totals": totals,
+                               "keys": [s.as_dict() for s in statuses],
+                               "recent_failures": [f.as_dict() for f in failures]}, indent=2)
+        stamp = f"at {state.now.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+        lines = [f"dispatcher status {stamp}" + (f", every {watch} (Ctrl-C stops)" if watch else "")]
+        lines += [f"{'WARNING: ' if state.problem(kind) else ''}{state.summary(kind)}"
+                  for kind in (liveness.DISPENSER, liveness.WORKER)]
+        lines.append(
+            f"calls: {totals['pending']} waiting, {totals['dispatched'] + totals['running']} in flight "
+            f"({totals['dispatched']} dispatched, {totals['running']} running), {totals['done']} done, "
+            f"{totals['failed']} failed, {totals['cancelled']} cancelled"
+        )
+        failure_lines = ["", "failures in the last hour, by key:"] if failures else []
+        for f in failures:
+            failure_lines.append(f"  {f.key or '(no key)'}: {f.errors} errors, {f.failed} gave up"
+                                 + (f"; latest: {f.latest_error}" if f.latest_error else ""))
         if not statuses:
-            return "no key has a policy, waiting calls or recent starts"
+            return "\n".join([*lines, "", "no key has a policy, waiting calls or recent starts", *failure_lines])
         header = ("KEY", "POLICY", "USED", "IN FLIGHT", "WAITING", "OLDEST WAIT", "PAUSED UNTIL", "NEXT FREE SLOT", "DRAIN")
         rows = [header]
         for s in statuses:
@@ -58,8 +81,10 @@ class Command(BaseCommand):
             if s.blocked:
                 free = live.humanize(s.next_free_at, s.now) if s.next_free_at else "when one finishes"
             else:
-                free = "now"
+                # A free slot sends nothing while no dispenser runs: say so where the slot is read.
+                free = "now, but no dispenser runs" if state.problem(liveness.DISPENSER) else "now"
             rows.append((s.key, policies, used, flight, str(s.waiting), live.humanize_duration(s.oldest_wait),
                          paused, free, live.humanize_duration(s.drain_time)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+        table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        return "\n".join([*lines, "", *table, *failure_lines])

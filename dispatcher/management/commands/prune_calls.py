@@ -45,8 +45,20 @@ class Command(BaseCommand):
             else:
                 self.stdout.write(f"deleted {done}/{total}")
 
+        from dispatcher.models import RateLimit
+
+        # prune() keeps every call that finished within the longest policy period (the limiter's
+        # windows read that history): say so rather than report a cutoff that was not used.
+        longest = max(RateLimit.objects.values_list("period", flat=True), default=None)
         deleted = CallQueue.objects.prune(age, batch=batch, dry_run=dry_run, progress=progress)
         if tty and not dry_run:
             self.stdout.write("")
         verb = "would delete" if dry_run else "deleted"
-        self.stdout.write(f"{verb} {deleted} finished calls older than {format_duration(age)}")
+        if longest is not None and longest > age:
+            self.stdout.write(
+                f"{verb} {deleted} finished calls older than {format_duration(longest)}: the cutoff was raised from "
+                f"{format_duration(age)} to the longest policy period ({format_duration(longest)}), whose window "
+                "still counts the calls that finished within it"
+            )
+        else:
+            self.stdout.write(f"{verb} {deleted} finished calls older than {format_duration(age)}")

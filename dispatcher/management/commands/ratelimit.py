@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from dispatcher.durations import format_duration, parse_positive_duration
 from dispatcher.keys import validate_policy_key
+from dispatcher.status import format_moment
 
 
 def _positive_int(name: str):
@@ -40,6 +41,20 @@ def _key(text: str) -> str:
         raise CommandError(str(exc)) from None
 
 
+def _known(key: str) -> bool:
+    """Whether a key is known: a policy (exact or a matching pattern), limiter state, or a waiting call."""
+    from dispatcher.keys import is_pattern, pattern_matches
+    from dispatcher.models import CallQueue, KeyState, RateLimit
+
+    patterns = [p for p in RateLimit.objects.values_list("key", flat=True).distinct() if is_pattern(p)]
+    return (
+        RateLimit.objects.filter(key=key).exists()
+        or any(pattern_matches(p, key) for p in patterns)
+        or KeyState.objects.filter(key=key).exists()
+        or CallQueue.objects.pending().filter(key_set__contains=json.dumps(key)).exists()
+    )
+
+
 class Command(BaseCommand):
     help = "Set, list, pause, resume and delete rate-limit policies."
 
@@ -55,6 +70,8 @@ class Command(BaseCommand):
         pause = sub.add_parser("pause", help="pause KEY (or every key of a pattern)")
         pause.add_argument("key")
         pause.add_argument("--for", dest="duration", required=True, help="how long, e.g. 30s, 5m")
+        pause.add_argument("--create", action="store_true",
+                           help="pause a key that no policy, pattern or call knows yet (guards against typos)")
         resume = sub.add_parser("resume", help="lift the pause of KEY")
         resume.add_argument("key")
         delete = sub.add_parser("delete", help="delete the policies of KEY")
@@ -75,10 +92,12 @@ class Command(BaseCommand):
         self.stdout.write(f"set {policy}")
 
     def do_list(self, as_json: bool = False, **_: Any) -> None:
+        from dispatcher.clock import db_now
         from dispatcher.models import KeyState, RateLimit
 
         policies = list(RateLimit.objects.order_by("key", "period"))
-        pauses = list(KeyState.objects.filter(paused_until__isnull=False).order_by("key"))
+        # Only pauses still in force: an expired pause binds nothing.
+        pauses = list(KeyState.objects.filter(paused_until__gt=db_now()).order_by("key"))
         if as_json:
             self.stdout.write(json.dumps({
                 "policies": [
@@ -93,14 +112,25 @@ class Command(BaseCommand):
         for p in policies:
             cap = f"  concurrency {p.concurrency}" if p.concurrency else ""
             self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8}{cap}")
+        now = db_now()
         for s in pauses:
-            self.stdout.write(f"paused {s.key} until {s.paused_until.isoformat()} ({s.pause_reason})")
+            reason = f" ({s.pause_reason})" if s.pause_reason else ""
+            self.stdout.write(f"paused {s.key} until {format_moment(s.paused_until, now)}{reason}")
 
-    def do_pause(self, key: str, duration: str, **_: Any) -> None:
+    def do_pause(self, key: str, duration: str, create: bool = False, **_: Any) -> None:
         from dispatcher.models import RateLimit
 
-        until = RateLimit.objects.pause_key(_key(key), _duration("--for")(duration))
-        self.stdout.write(f"paused {key} until {until.isoformat()}")
+        key = _key(key)
+        length = _duration("--for")(duration)
+        if not create and not _known(key):
+            raise CommandError(
+                f"no policy, pattern, limiter state or waiting call knows the key {key!r}: check its spelling, "
+                "or pass --create to pause it anyway"
+            )
+        until = RateLimit.objects.pause_key(key, length)
+        from dispatcher.clock import db_now
+
+        self.stdout.write(f"paused {key} until {format_moment(until, db_now())}")
 
     def do_resume(self, key: str, **_: Any) -> None:
         from dispatcher.models import RateLimit

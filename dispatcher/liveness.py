@@ -1,0 +1,219 @@
+"""Liveness: dispensers and workers write heartbeats; the admin, status and metrics read them.
+
+A process writes its heartbeat row at most once per quarter of ``DISPATCHER_HEARTBEAT_TIMEOUT``
+(two small statements), so the write rate is bounded whatever its pace: a dispenser from its
+passes, a worker from a thread in its main process, started and stopped by Celery's
+``worker_ready``/``worker_shutdown`` signals. A process silent for the whole timeout, or one
+that stopped cleanly, is not running. Times are the database's (``Now()`` on write,
+``db_now()`` on read), like every other time the dispatcher compares.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.db import DatabaseError, IntegrityError, connection
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from dispatcher.conf import dispatcher_settings
+
+if TYPE_CHECKING:
+    from dispatcher.models import CallQueue, Heartbeat
+
+log = logging.getLogger("dispatcher")
+
+DISPENSER, WORKER = "dispenser", "worker"
+# Rows of processes gone this long are deleted when a new process first reports.
+FORGET_AFTER = timedelta(days=1)
+
+_last_beat: dict[str, float] = {}
+
+
+def interval() -> float:
+    """Seconds between two heartbeats of one process: a quarter of the timeout."""
+    return max(dispatcher_settings.HEARTBEAT_TIMEOUT.total_seconds() / 4, 0.25)
+
+
+def process_name(kind: str, label: str = "", *, pid: bool = True) -> str:
+    """Name this process: kind, then the given label or host, and the pid (or only the host)."""
+    name = f"{kind} {label or socket.gethostname()}"
+    return f"{name} pid {os.getpid()}" if pid else f"{name} on {socket.gethostname()}"
+
+
+def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:
+    """Record that this process is alive, at most once per interval; return whether it wrote."""
+    from dispatcher.models import Heartbeat
+
+    name = name or process_name(kind)
+    moment = time.monotonic()
+    last = _last_beat.get(name)
+    if not force and last is not None and moment - last < interval():
+        return False
+    _last_beat[name] = moment
+    try:
+        if not Heartbeat.objects.filter(name=name).update(seen_at=Now(), stopped_at=None):
+            Heartbeat.objects.filter(seen_at__lt=timezone.now() - FORGET_AFTER).delete()
+            try:
+                Heartbeat.objects.create(name=name, kind=kind)
+            except IntegrityError:
+                pass  # another thread of this process wrote it first
+    except DatabaseError as exc:
+        # A heartbeat must never stop a pass or a worker; the silence is what readers see.
+        log.warning("heartbeat_failed name=%r error=%r", name, exc)
+        return False
+    return True
+
+
+def stopped(name: str) -> None:
+    """Mark a process as stopped cleanly, so readers do not wait for its timeout."""
+    from dispatcher.models import Heartbeat
+
+    try:
+        Heartbeat.objects.filter(name=name).update(stopped_at=Now())
+    except DatabaseError as exc:
+        log.warning("heartbeat_stop_failed name=%r error=%r", name, exc)
+    _last_beat.pop(name, None)
+
+
+@dataclass
+class Liveness:
+    """Which dispensers and workers reported within the timeout, read at one instant."""
+
+    now: datetime
+    timeout: timedelta
+    heartbeats: list[Heartbeat] = field(default_factory=list)
+
+    def is_alive(self, beat: Heartbeat) -> bool:
+        return beat.stopped_at is None and beat.seen_at >= self.now - self.timeout
+
+    def alive(self, kind: str) -> list[Heartbeat]:
+        return [b for b in self.heartbeats if b.kind == kind and self.is_alive(b)]
+
+    def last_seen(self, kind: str) -> datetime | None:
+        seen = [b.stopped_at or b.seen_at for b in self.heartbeats if b.kind == kind]
+        return max(seen) if seen else None
+
+    def problem(self, kind: str) -> str:
+        """Say "no dispenser has run since …" when none is alive, else ''."""
+        from dispatcher.status import format_moment
+
+        if self.alive(kind):
+            return ""
+        verb = "run" if kind == DISPENSER else "reported"
+        last = self.last_seen(kind)
+        if last is None:
+            return f"no {kind} has {verb} yet"
+        return f"no {kind} has {verb} since {format_moment(last, self.now)}"
+
+    def summary(self, kind: str) -> str:
+        """Say how many of a kind run, or what is wrong."""
+        from dispatcher.status import humanize
+
+        alive = self.alive(kind)
+        if not alive:
+            return self.problem(kind)
+        latest = max(b.seen_at for b in alive)
+        return f"{len(alive)} {kind}{'s' if len(alive) != 1 else ''} running (last heartbeat {humanize(latest, self.now)})"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the liveness as JSON-ready data."""
+        result: dict[str, Any] = {"timeout_seconds": self.timeout.total_seconds()}
+        for kind in (DISPENSER, WORKER):
+            last = self.last_seen(kind)
+            result[f"{kind}s"] = {
+                "alive": len(self.alive(kind)),
+                "last_seen": last.isoformat() if last else None,
+                "problem": self.problem(kind) or None,
+                "processes": [
+                    {"name": b.name, "alive": self.is_alive(b), "started_at": b.started_at.isoformat(),
+                     "seen_at": b.seen_at.isoformat(), "stopped_at": b.stopped_at.isoformat() if b.stopped_at else None}
+                    for b in self.heartbeats if b.kind == kind
+                ],
+            }
+        return result
+
+
+def read(now: datetime | None = None) -> Liveness:
+    """Read every heartbeat (the table holds one row per process seen in the last day)."""
+    from dispatcher.clock import db_now
+    from dispatcher.models import Heartbeat
+
+    return Liveness(
+        now=now or db_now(),
+        timeout=dispatcher_settings.HEARTBEAT_TIMEOUT,
+        heartbeats=list(Heartbeat.objects.order_by("kind", "-seen_at")),
+    )
+
+
+def stall(call: CallQueue, state: Liveness) -> str:
+    """Say what keeps a waiting or dispatched call from moving when a process is missing, or ''."""
+    from dispatcher.status import humanize_duration
+
+    if call.status == "pending":
+        return state.problem(DISPENSER)
+    if call.status == "dispatched" and call.dispatched_at is not None:
+        age = state.now - call.dispatched_at
+        if age < state.timeout:
+            return ""
+        text = f"dispatched {humanize_duration(age)} ago, no worker has picked it up"
+        problem = state.problem(WORKER)
+        return f"{text}; {problem}" if problem else text
+    if call.status == "running":
+        problem = state.problem(WORKER)
+        return f"running, but {problem}" if problem else ""
+    return ""
+
+
+# --- workers: a heartbeat thread in the worker's main process -------------------------------
+
+
+class WorkerHeartbeat:
+    """Beats for one Celery worker from a daemon thread until the worker shuts down."""
+
+    def __init__(self, hostname: str) -> None:
+        self.name = process_name(WORKER, hostname)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="dispatcher-heartbeat", daemon=True)
+
+    def run(self) -> None:
+        try:
+            while True:
+                beat(WORKER, self.name, force=True)
+                if self.stop.wait(interval()):
+                    break
+            stopped(self.name)
+        finally:
+            connection.close()
+
+
+_worker: WorkerHeartbeat | None = None
+
+
+def on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
+    global _worker
+    if _worker is None:
+        _worker = WorkerHeartbeat(getattr(sender, "hostname", "") or socket.gethostname())
+        _worker.thread.start()
+
+
+def on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
+    global _worker
+    if _worker is not None:
+        _worker.stop.set()
+        _worker.thread.join(timeout=5)
+        _worker = None
+
+
+def connect_worker_signals() -> None:
+    """Start a worker's heartbeat with the worker, whatever project defines the Celery app."""
+    from celery.signals import worker_ready, worker_shutdown
+
+    worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="dispatcher.liveness.ready")
+    worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="dispatcher.liveness.shutdown")
