@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "DATABASE_URL": f"sqlite:///{work / 'db.sqlite3'}",
         "CELERY_BROKER_URL": "filesystem://",
         "EMBEDDED_BROKER_DIR": str(work / "broker"),
-        "DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1",
+        "DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1:*",  # the fake partner listens on a port the OS picks
         # SQLite has no LISTEN/NOTIFY: the dispenser polls, so poll often.
         "DISPATCHER_POLL_INTERVAL": "100ms",
         "DISPATCHER_LOG_LEVEL": "INFO",

@@ -17,3 +17,10 @@ class DispatcherConfig(AppConfig):
         autodiscover_modules("handlers")
         post_migrate.connect(on_post_migrate, sender=self)
         connect_beat_signals()
+        from celery.signals import worker_process_shutdown, worker_shutdown
+
+        from dispatcher.httpclient import close_client
+
+        # The http handler's pooled connections end with the worker (and each prefork child).
+        worker_process_shutdown.connect(close_client, weak=False)
+        worker_shutdown.connect(close_client, weak=False)

@@ -14,6 +14,7 @@ from django.db import InterfaceError, OperationalError, connection
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
+from dispatcher.learning import running_call
 from dispatcher.registry import get_handler
 
 log = logging.getLogger("dispatcher")
@@ -77,7 +78,8 @@ def execute(call_id: int, dispatch_no: int) -> str:
     log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     try:
         fn = get_handler(call.method).fn
-        result = fn(**call.params)
+        with running_call(call.keys):  # the keys an API's rate-limit signals apply to
+            result = fn(**call.params)
     except RateLimited as exc:
         _record(CallQueue.objects.finish_rate_limited, call, attempt, exc.retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)

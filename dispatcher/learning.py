@@ -1,0 +1,112 @@
+"""Adapt keys to what an API says about its limits: pause while nothing remains, learn tighter limits.
+
+Which keys: the key a handler names, else the keys of the call being run (the worker sets them
+in ``current_keys`` around the handler). A learnt limit is one more window policy on the key
+(see ``limiter.Policies.load``): it can only hold calls back, never let more through than the
+configured policies. Pauses are cut to ``DISPATCHER_MAX_PAUSE``, learnt windows to
+``DISPATCHER_MAX_PAUSE`` too, and a learnt limit lasts ``DISPATCHER_LEARNT_LIMIT_TTL`` after
+the API last said it.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import timedelta
+
+from dispatcher.ratelimit_headers import Signal, signal
+
+log = logging.getLogger("dispatcher")
+
+current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
+
+
+@contextmanager
+def running_call(keys: Sequence[str]) -> Iterator[None]:
+    """Name the keys of the call a handler is running, for the signals it reports."""
+    token = current_keys.set(tuple(keys))
+    try:
+        yield
+    finally:
+        current_keys.reset(token)
+
+
+def cap_pause(seconds: float | None) -> float | None:
+    """Return a pause cut to DISPATCHER_MAX_PAUSE (``None`` stays ``None``)."""
+    from dispatcher.conf import dispatcher_settings
+
+    if seconds is None or seconds != seconds:
+        return None
+    return min(max(seconds, 0.0), dispatcher_settings.MAX_PAUSE.total_seconds())
+
+
+def apply(found: Signal, keys: Sequence[str] | None = None) -> None:
+    """Pause and teach the keys what the API said; a failure here never fails the call."""
+    keys = tuple(keys) if keys else current_keys.get()
+    if found.empty or not keys:
+        return
+    try:
+        _apply(found, keys)
+    except Exception:  # the call's own outcome matters more than the lesson
+        log.exception("learn_failed keys=%s signal=%r", ",".join(keys), found.text)
+
+
+def _apply(found: Signal, keys: tuple[str, ...]) -> None:
+    from django.db import transaction
+
+    from dispatcher import limiter
+    from dispatcher.clock import db_now
+    from dispatcher.conf import dispatcher_settings
+    from dispatcher.models import LearntLimit
+
+    longest = dispatcher_settings.MAX_PAUSE
+    wait = cap_pause(found.wait())
+    with transaction.atomic():
+        now = db_now()
+        if wait:
+            limiter.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
+        expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
+        for window in found.windows[:4]:
+            period = min(timedelta(seconds=window.seconds), longest)
+            if period <= timedelta(0):
+                continue
+            for key in keys:
+                _learn(LearntLimit, key, max(window.limit, 1), period, expires, found, now)
+    if wait or found.windows:
+        limiter.wake_dispensers()
+        log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
+
+
+def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:
+    """Store a window the API announced; an unnamed window grows to the longest reset seen."""
+    if found.source != "ietf":
+        # X-RateLimit-* name no window: the reset is the time left in it. Keep one row per
+        # key and limit, whose period is the longest reset seen while it lasted.
+        row = model.objects.filter(key=key, limit=limit, expires_at__gt=now).order_by("-period").first()
+        if row is not None:
+            if period > row.period:
+                model.objects.filter(key=key, period=period).exclude(pk=row.pk).delete()
+                row.period = period
+            row.expires_at, row.signal, row.observed_at = expires, found.text[:200], now
+            row.save(update_fields=["period", "expires_at", "signal", "observed_at"])
+            return
+    model.objects.update_or_create(
+        key=key, period=period,
+        defaults={"limit": limit, "expires_at": expires, "source": found.source[:40], "signal": found.text[:200], "observed_at": now},
+    )
+
+
+def report_rate_limit(
+    *, limit: int | None = None, window: float | None = None, remaining: int | None = None,
+    reset: float | None = None, retry_after: float | None = None, key: str | None = None,
+) -> None:
+    """Tell the dispatcher what an API said about its limits, from inside a handler.
+
+    For APIs with headers of their own (``X-Used: 40/100``): ``limit`` per ``window``
+    seconds, ``remaining`` until ``reset`` seconds from now. ``key`` defaults to the call's keys.
+    """
+    apply(
+        signal(limit=limit, window=window, remaining=remaining, reset=reset, retry_after=retry_after),
+        [key] if key else None,
+    )
