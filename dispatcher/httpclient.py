@@ -154,6 +154,11 @@ def get_client() -> httpx.Client:
     return _client
 
 
+def warm_client(**_: Any) -> None:
+    """Build the process's client ahead of its first call (at worker start)."""
+    get_client()
+
+
 def close_client(**_: Any) -> None:
     """Close the process's client and its connections (at worker shutdown)."""
     global _client

@@ -19,6 +19,10 @@ from dispatcher.ratelimit_headers import Signal, signal
 
 log = logging.getLogger("dispatcher")
 
+# A learnt window is this much (and at least MARGIN_MIN) longer than the API's.
+MARGIN = 0.05
+MARGIN_MIN = timedelta(milliseconds=50)
+
 current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
 
 
@@ -68,7 +72,8 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
             limiter.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
         for window in found.windows[:4]:
-            period = min(timedelta(seconds=window.seconds), longest)
+            # A margin absorbs the spread between our recorded starts and their arrival at the API.
+            period = min(timedelta(seconds=window.seconds * (1 + MARGIN)) + MARGIN_MIN, longest)
             if period <= timedelta(0):
                 continue
             for key in keys:
