@@ -90,6 +90,8 @@ def _url_host(url: str) -> tuple[str, str, int | None]:
 
 def _check_idna(host: str) -> None:
     """Refuse a host httpx or the TLS layer would refuse at run time (bad punycode, bad IDNA)."""
+    if "" in host.removesuffix(".").split("."):
+        raise InvalidParams(f"http: host {host!r} has an empty label")
     for label in host.split("."):
         if label.lower().startswith("xn--"):
             try:
