@@ -20,7 +20,7 @@ from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
-from dispatcher.models import CallQueue, KeyState, RateLimit
+from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.redact import redact
 
 
@@ -442,3 +442,18 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
     context = {**admin.site.each_context(request), "title": "Dispatcher dashboard", "rows": rows}
     return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)
 
+
+
+@admin.register(LearntLimit)
+class LearntLimitAdmin(admin.ModelAdmin):
+    """Limits the APIs announced in their answers; the dispatcher writes them, nobody edits them."""
+
+    list_display = ("key", "limit", "period", "expires_at", "source", "signal", "observed_at")
+    search_fields = ("key",)
+    readonly_fields = list_display
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
