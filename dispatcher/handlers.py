@@ -307,7 +307,8 @@ def http(**params: Any) -> dict[str, Any]:
         body = raw.decode(encoding, errors="replace")
     except LookupError:
         body = raw.decode("utf-8", errors="replace")
-    body = _scrub(body[:limit], secrets)
+    # PostgreSQL's text and jsonb cannot hold NUL: the body must be storable whatever came.
+    body = _scrub(body[:limit], secrets).replace("\x00", "\ufffd")
     signal = ratelimit_headers.parse(answer_headers, status, time.time())
     if status == 429:
         learning.apply(ratelimit_headers.Signal(

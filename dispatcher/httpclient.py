@@ -135,7 +135,9 @@ class _GuardedBackend(httpcore.NetworkBackend):
 
 
 def _new_client() -> httpx.Client:
-    transport = httpx.HTTPTransport(retries=0)
+    # TCP_NODELAY: a request's headers and body are two writes; Nagle's algorithm would hold
+    # the body back for the server's delayed ACK.
+    transport = httpx.HTTPTransport(retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     # httpx takes no network backend; its pool does. Pinned httpx, and tests cover the check.
     transport._pool._network_backend = _GuardedBackend()
     client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)

@@ -51,6 +51,9 @@ class FakeAPI:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes; without this, Nagle's algorithm holds the
+            # body back for the client's delayed ACK (40 ms) on a kept-alive connection.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args) -> None:  # quiet
                 pass
