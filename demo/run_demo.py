@@ -7,7 +7,9 @@ file and the filesystem broker) in a temporary folder of its own, so it never to
    sets the matching policies with ``manage.py ratelimit set``, starts ``dispense --loop`` and a
    Celery worker, sends calls across tenants and shows them drain at the partner's pace;
 2. the partner then tightens its limit below the policy: 429s arrive, the keys pause, and every
-   call still ends done.
+   call still ends done;
+3. the partner announces its limit in every answer (the IETF ``RateLimit`` fields) and our policy
+   is a hundred times too loose: the limit is learnt from the first answers, nearly no 429s.
 
 It ends with a summary and exits 0 only if every check passed. Every process it started is
 stopped at the end, on Ctrl-C and on SIGTERM.
@@ -155,7 +157,8 @@ def _count():
 
 
 def run_part(
-    title: str, partner: Partner, view: View, tenants: list[str], url: str, timeout: float, limit: int
+    title: str, partner: Partner, view: View, tenants: list[str], url: str, timeout: float, limit: int,
+    keys: list[str] | None = None,
 ) -> PartResult:
     """Send one call per tenant entry, then show progress until all are finished; return the figures."""
     from django.db import transaction
@@ -171,7 +174,7 @@ def run_part(
                 "method": "POST", "url": f"{url}/v1/messages", "headers": {"X-Tenant": tenant},
                 "json": {"tenant": tenant, "n": n},
             },
-            "keys": ["partner", f"partner:{tenant}"],
+            "keys": keys or ["partner", f"partner:{tenant}"],
         }
         for n, tenant in enumerate(tenants)
     ]
@@ -207,6 +210,37 @@ def run_part(
     result.tenant_peak = max((max_in_window(times, period) for times in by_tenant.values()), default=0)
     result.max_in_flight = stats["max_in_flight"]
     return result
+
+
+ANNOUNCED_LIMIT = 8
+
+
+def run_learning_part(procs: Processes, partner: Partner, view: View, url: str, calls: int, quick: bool) -> PartResult:
+    """Part 3: the partner announces its limit; our policy is 100x too loose; the limit is learnt."""
+    loose = ("ratelimit", "set", "announced", "--limit", str(ANNOUNCED_LIMIT * 100), "--per", f"{PERIOD:g}s")
+    view.say(
+        f"part 3: the partner allows {ANNOUNCED_LIMIT} per {PERIOD:g}s and says so in every answer "
+        "(RateLimit-Policy / RateLimit); our policy is 100x too loose"
+    )
+    view.say("$ python manage.py " + " ".join(loose))
+    procs.manage(*loose)
+    partner.set_limits(limit=ANNOUNCED_LIMIT, tenant_limit=10_000, concurrency=10_000, announce=1)
+    part = run_part(
+        "part 3", partner, view, ["acme"] * calls, url, timeout=90 if quick else 120, limit=ANNOUNCED_LIMIT,
+        keys=["announced"],
+    )
+    from dispatcher.models import LearntLimit
+
+    learnt = ", ".join(str(row) for row in LearntLimit.objects.filter(key="announced")) or "nothing"
+    view.say(f"  learnt: {learnt}")
+    part.checks = [
+        Check(f"every call done ({part.statuses.get('done', 0)}/{part.sent})", part.statuses.get("done", 0) == part.sent),
+        Check(f"nearly no 429s ({part.rejected_429} <= 5)", part.rejected_429 <= 5),
+        Check(f"served peak within the announced limit ({part.peak_served} <= {ANNOUNCED_LIMIT})",
+              part.peak_served <= ANNOUNCED_LIMIT),
+        Check(f"the limit was learnt ({learnt})", learnt != "nothing"),
+    ]
+    return part
 
 
 def tenant_mix(count: int, seed: int) -> list[str]:
@@ -345,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             "  fix for good without a deploy: python manage.py ratelimit set partner "
             f"--limit {TIGHTENED_LIMIT} --per {POLICY_PER} --concurrency {CONCURRENCY}"
         )
+        view.say("")
+        parts.append(run_learning_part(procs, partner, view, url, calls_two * 2, args.quick))
         dead = [(name, rc) for name, rc in procs.exited() if name != "partner" or partner_proc.poll() is not None]
         elapsed = time.monotonic() - began
         for line in summary(parts, elapsed):
