@@ -89,7 +89,9 @@ class DispatcherSettings:
     )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
-    HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")
+    HTTP_ALLOWED_HOSTS = Setting(
+        "", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax, plus `:port` or `:*`).",
+    )
     HTTP_SECRETS = Setting(
         "", _as_list,
         "Settings/env names http headers may reference as {'secret': NAME}; NAME[:Header]@host[:port] binds one to hosts.",
