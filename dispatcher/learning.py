@@ -10,6 +10,7 @@ the API last said it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,6 +23,12 @@ log = logging.getLogger("dispatcher")
 # A learnt window is this much (and at least MARGIN_MIN) longer than the API's.
 MARGIN = 0.05
 MARGIN_MIN = timedelta(milliseconds=50)
+
+# (key, limit, period) -> when this process last stored it: an API repeating the same limit on
+# every answer costs a write per REFRESH, not per call. Bounded; cleared when full.
+_stored: dict[tuple[str, int, timedelta], float] = {}
+REFRESH = 30.0
+MAX_REMEMBERED = 10_000
 
 current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
 
@@ -57,6 +64,8 @@ def apply(found: Signal, keys: Sequence[str] | None = None) -> None:
 
 
 def _apply(found: Signal, keys: tuple[str, ...]) -> None:
+    import time
+
     from django.db import transaction
 
     from dispatcher import limiter
@@ -66,21 +75,36 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
 
     longest = dispatcher_settings.MAX_PAUSE
     wait = cap_pause(found.wait())
+    # A margin absorbs the spread between our recorded starts and their arrival at the API.
+    # X-RateLimit-* name no window, only the time left in it: whole seconds, so that a reset
+    # that ticks down from answer to answer does not make a new window each time.
+    seconds = [w.seconds if found.source == "ietf" else float(math.ceil(w.seconds)) for w in found.windows[:4]]
+    windows = [
+        (max(w.limit, 1), min(timedelta(seconds=s * (1 + MARGIN)) + MARGIN_MIN, longest))
+        for w, s in zip(found.windows[:4], seconds, strict=True)
+    ]
+    fresh = time.monotonic()
+    windows = [(limit, period) for limit, period in windows
+               if any(fresh - _stored.get((key, limit, period), -REFRESH) >= REFRESH for key in keys)]
+    if not wait and not windows:
+        return
     with transaction.atomic():
         now = db_now()
         if wait:
             limiter.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
-        for window in found.windows[:4]:
-            # A margin absorbs the spread between our recorded starts and their arrival at the API.
-            period = min(timedelta(seconds=window.seconds * (1 + MARGIN)) + MARGIN_MIN, longest)
-            if period <= timedelta(0):
-                continue
+        if windows:
+            LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
+        for limit, period in windows:
             for key in keys:
-                _learn(LearntLimit, key, max(window.limit, 1), period, expires, found, now)
-    if wait or found.windows:
+                _learn(LearntLimit, key, limit, period, expires, found, now)
         limiter.wake_dispensers()
-        log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
+    if len(_stored) > MAX_REMEMBERED:
+        _stored.clear()
+    for limit, period in windows:
+        for key in keys:
+            _stored[(key, limit, period)] = fresh
+    log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:

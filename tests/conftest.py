@@ -30,6 +30,14 @@ def pytest_collection_modifyitems(config, items) -> None:
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _forget_learnt_limits():
+    """Each test starts without this process's memory of limits already stored."""
+    from dispatcher import learning
+
+    learning._stored.clear()
+
+
 @pytest.fixture
 def fake_api():
     api = FakeAPI().start()
