@@ -295,18 +295,19 @@ def http(**params: Any) -> dict[str, Any]:
             encoding = response.charset_encoding or "utf-8"
     except httpclient.AddressRefused as exc:
         raise PermanentError(str(exc)) from None
-    except httpx.TimeoutException:
-        raise RetryableHTTPError(f"http: no complete answer from {origin} within {timeout:g}s") from None
     except httpx.TransportError:
-        # One text for every failure to talk to the host: a caller must not learn from it
-        # which ports are open, closed or speak another protocol.
-        raise RetryableHTTPError(f"http: no usable answer from {origin}") from None
+        # One text for every failure to talk to the host (refused, reset, silent, not HTTP,
+        # too slow): a caller must not learn from it which ports are open or what listens there.
+        raise RetryableHTTPError(f"http: no usable answer from {origin} within {timeout:g}s") from None
     except (httpx.HTTPError, UnicodeError, ValueError) as exc:
         raise PermanentError(_scrub(f"http: request refused by the client: {type(exc).__name__}: {exc}", secrets)) from None
+    except Exception as exc:  # anything else: retried, its text scrubbed, its chain (and locals) dropped
+        raise RetryableHTTPError(_scrub(f"http: {type(exc).__name__}: {exc}", secrets)) from None
     try:
         body = raw.decode(encoding, errors="replace")
     except LookupError:
         body = raw.decode("utf-8", errors="replace")
+    cut = len(body) > limit
     # PostgreSQL's text and jsonb cannot hold NUL: the body must be storable whatever came.
     body = _scrub(body[:limit], secrets).replace("\x00", "\ufffd")
     signal = ratelimit_headers.parse(answer_headers, status, time.time())
@@ -321,6 +322,6 @@ def http(**params: Any) -> dict[str, Any]:
     if status >= 300:
         raise PermanentError(f"HTTP {status}: {body[:500]}")
     result: dict[str, Any] = {"status": status, "body": body}
-    if truncated or len(raw) > limit:
+    if truncated or cut:
         result["truncated"] = True
     return result

@@ -278,13 +278,18 @@ def test_closed_and_non_http_ports_fail_with_the_same_text(settings):
         conn.close()
 
     threading.Thread(target=garble, daemon=True).start()
+    silent = socket.socket()  # accepts and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    silent_port = silent.getsockname()[1]
     texts = []
-    for port in (closed_port, talker_port):
+    for port in (closed_port, talker_port, silent_port):
         with pytest.raises(RetryableHTTPError) as failure:
-            http(method="GET", url=f"http://127.0.0.1:{port}/", timeout=2)
+            http(method="GET", url=f"http://127.0.0.1:{port}/", timeout=1)
         texts.append(str(failure.value).replace(str(port), "PORT"))
     talker.close()
-    assert texts[0] == texts[1]
+    silent.close()
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_a_name_that_resolves_to_loopback_is_refused_unless_allowed(settings, serve):
