@@ -42,6 +42,7 @@ def test_a_policy_far_too_loose_learns_the_limit_the_api_announces(procs, announ
         assert served / allowance(times) >= 0.7, f"{served} of {allowance(times)} allowed in {max(times) - first:.1f}s"
         learnt = LearntLimit.objects.get(key="partner")
         assert learnt.limit == LIMIT and learnt.period >= timedelta(seconds=PERIOD)
+        assert api.connections <= 8, f"{api.connections} connections for {CALLS} calls from 4 worker processes"
     finally:
         api.stop()
 
@@ -60,3 +61,18 @@ def test_an_api_that_only_says_retry_after_pauses_the_key_and_every_call_ends_do
         assert not LearntLimit.objects.exists()
     finally:
         api.stop()
+
+
+@pytest.mark.postgres
+def test_the_threads_pool_shares_one_pooled_client(procs, fake_api):
+    import sys
+
+    for n in range(30):
+        CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/ok", "headers": {"x-call": str(n)}})
+    procs.start(
+        "worker", sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", procs.queue, "-P", "threads",
+        "-c", "4", "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", "threads@%h",
+    )
+    procs.dispenser()
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 30, timeout=60), procs.logs()
+    assert fake_api.connections <= 4, f"{fake_api.connections} connections for 30 calls from 4 threads"
