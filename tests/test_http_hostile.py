@@ -350,3 +350,15 @@ def test_a_learnt_limit_never_loosens_a_configured_policy(settings):
     assert (10, timedelta(seconds=1)) in [(p.limit, p.period) for p in policies]
     assert all(p.period <= timedelta(hours=1) for p in policies), "a learnt window is capped"
     assert KeyState.objects.get(key="partner").paused_until is None or LearntLimit.objects.filter(key="partner").exists()
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("DISPATCHER_HTTP_ALLOWED_HOSTS", "api.example.com:99999"),
+    ("DISPATCHER_HTTP_ALLOWED_HOSTS", "api.example.com:http"),
+    ("DISPATCHER_HTTP_SECRETS", "TOKEN@api.example.com:x"),
+])
+def test_unreadable_http_settings_are_reported_by_the_system_check(name, value, settings):
+    from dispatcher.checks import check_settings
+
+    setattr(settings, name, value)
+    assert [e.id for e in check_settings()] == ["dispatcher.E003"]
