@@ -63,6 +63,7 @@ class PartResult:
     max_in_flight: int = 0
     deferrals: int = 0
     limit: int = LIMIT
+    tenant_limit: int | None = TENANT_LIMIT  # None: the partner does not limit tenants in this part
     checks: list[Check] = field(default_factory=list)
 
 
@@ -231,6 +232,7 @@ def run_learning_part(procs: Processes, partner: Partner, view: View, url: str, 
     )
     from dispatcher.models import LearntLimit
 
+    part.tenant_limit = None
     learnt = ", ".join(str(row) for row in LearntLimit.objects.filter(key="announced")) or "nothing"
     view.say(f"  learnt: {learnt}")
     part.checks = [
@@ -256,9 +258,12 @@ def summary(parts: list[PartResult], total_elapsed: float) -> list[str]:
             f"  {part.title}: {part.sent} calls, {part.statuses.get('done', 0)} done, "
             f"{part.statuses.get('failed', 0)} failed, in {part.elapsed:.1f}s",
             f"    the partner saw: peak {part.peak} requests in any {PERIOD:g}s window "
-            f"(its limit {part.limit}; served peak {part.peak_served}), "
-            f"busiest tenant {part.tenant_peak} per {PERIOD:g}s (limit {TENANT_LIMIT}), "
-            f"at most {part.max_in_flight} at once (limit {CONCURRENCY})",
+            f"(its limit {part.limit}; served peak {part.peak_served})"
+            + (
+                f", busiest tenant {part.tenant_peak} per {PERIOD:g}s (limit {part.tenant_limit}), "
+                f"at most {part.max_in_flight} at once (limit {CONCURRENCY})"
+                if part.tenant_limit is not None else ""
+            ),
             f"    429 answers: {part.rejected_429}; calls deferred by a 429 and retried: {part.deferrals}",
         ]
         for check in part.checks:
