@@ -86,12 +86,18 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     fresh = time.monotonic()
     windows = [(limit, period) for limit, period in windows
                if any(fresh - _stored.get((key, limit, period), -REFRESH) >= REFRESH for key in keys)]
-    if not wait and not windows:
+    spent = _spent_by_running(found, keys)
+    if not wait and not windows and not spent:
         return
     with transaction.atomic():
         now = db_now()
         if wait:
             limiter.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
+        elif spent:
+            # r remain and at least r other calls of the key are already running (they will
+            # arrive): nothing more may start before the reset.
+            until = now + timedelta(seconds=cap_pause(found.reset) or 0)
+            limiter.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
         if windows:
             LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
@@ -105,6 +111,17 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
         for key in keys:
             _stored[(key, limit, period)] = fresh
     log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
+
+
+def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
+    """Return the keys whose other running calls already use up what the API says remains."""
+    if not found.remaining or not found.reset or found.wait() is not None:
+        return []
+    from dispatcher.models import KeyState
+
+    # The call being answered is one of the running ones, and the API counted it already.
+    running = KeyState.objects.filter(key__in=keys).values_list("key", "running")
+    return [key for key, n in running if n - 1 >= found.remaining]
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:

@@ -362,3 +362,16 @@ def test_unreadable_http_settings_are_reported_by_the_system_check(name, value, 
 
     setattr(settings, name, value)
     assert [e.id for e in check_settings()] == ["dispatcher.E003"]
+
+
+def test_what_remains_minus_the_calls_running_decides_whether_more_may_start():
+    from dispatcher.clock import db_now
+    from dispatcher.learning import report_rate_limit
+
+    KeyState.objects.create(key="busy", running=4)
+    KeyState.objects.create(key="calm", running=1)
+    report_rate_limit(remaining=3, reset=20, key="busy")  # 3 remain, 3 others already running
+    report_rate_limit(remaining=3, reset=20, key="calm")
+    busy = KeyState.objects.get(key="busy")
+    assert busy.paused_until is not None and busy.paused_until - db_now() <= timedelta(seconds=20)
+    assert KeyState.objects.get(key="calm").paused_until is None
