@@ -3,8 +3,8 @@
 Which keys: the key a handler names, else the keys of the call being run (the worker sets them
 in ``current_keys`` around the handler). A learnt limit is one more window policy on the key
 (see ``limiter.Policies.load``): it can only hold calls back, never let more through than the
-configured policies. Pauses are cut to ``DISPATCHER_MAX_PAUSE``, learnt windows to
-``DISPATCHER_MAX_PAUSE`` too, and a learnt limit lasts ``DISPATCHER_LEARNT_LIMIT_TTL`` after
+configured policies. Pauses are cut to ``DISPATCHER_MAX_PAUSE``, learnt windows to that and to
+an hour, and a learnt limit lasts ``DISPATCHER_LEARNT_LIMIT_TTL`` after
 the API last said it.
 """
 from __future__ import annotations
@@ -73,7 +73,9 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     from dispatcher.conf import dispatcher_settings
     from dispatcher.models import LearntLimit
 
-    longest = dispatcher_settings.MAX_PAUSE
+    # The window log keeps at least an hour of starts (limiter.prune_starts): no learnt window
+    # may be longer, or it would count fewer starts than it should.
+    longest = min(dispatcher_settings.MAX_PAUSE, timedelta(hours=1))
     wait = cap_pause(found.wait())
     # A margin absorbs the spread between our recorded starts and their arrival at the API.
     # X-RateLimit-* name no window, only the time left in it: whole seconds, so that a reset
