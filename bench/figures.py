@@ -449,6 +449,183 @@ def dispenser_memory(ctx: Context) -> list[Figure]:
     ]
 
 
+# --- the http handler -------------------------------------------------------------------------
+
+def _http_env() -> dict[str, str]:
+    # The fake APIs listen on 127.0.0.1 at ports the OS picks.
+    os.environ["DISPATCHER_HTTP_ALLOWED_HOSTS"] = "127.0.0.1:*"
+    return {"DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1:*"}
+
+
+def http_latency(ctx: Context) -> list[Figure]:
+    """Calls to a local API sent one by one: recorded start -> arrival, and send -> arrival."""
+    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from tests.fakeapi import FakeAPI
+
+    reset_tables()
+    RateLimit.objects.set_policy("lat", 1000, timedelta(seconds=1))
+    api = FakeAPI().start()
+    procs = ctx.processes(**_http_env())
+    sent: dict[str, float] = {}
+    ids: dict[str, int] = {}
+    try:
+        procs.dispenser()
+        procs.worker(ctx.queue, concurrency=2)
+
+        def http_call(tag: str) -> int:
+            params = {"method": "GET", "url": f"{api.url}/ok", "headers": {"x-call": tag}}
+            return CallQueue.objects.send("http", params, keys=["lat"]).id
+
+        http_call("warm-up")
+        check(_wait_done(1, 60), "the warm-up call did not finish:\n" + procs.logs())
+        for n in range(ctx.sizes.latency_calls):
+            tag = str(n)
+            sent[tag] = time.time()
+            ids[tag] = http_call(tag)
+            time.sleep(0.02)
+        total = ctx.sizes.latency_calls + 1
+        check(_wait_done(total, 60), f"{total - count_status('done')} calls never finished")
+    finally:
+        procs.stop_all()
+        api.stop()
+    starts = dict(Attempt.objects.filter(call_id__in=ids.values()).values_list("call_id", "started_at"))
+    to_arrival, send_to_api, send_to_start = [], [], []
+    for arrival in api.arrivals:
+        if arrival.call in ids:
+            started = starts[ids[arrival.call]].timestamp()
+            to_arrival.append((arrival.at - started) * 1000)
+            send_to_api.append((arrival.at - sent[arrival.call]) * 1000)
+            send_to_start.append((started - sent[arrival.call]) * 1000)
+    p50, p99 = percentile(to_arrival, 50), percentile(to_arrival, 99)
+    api_p50 = percentile(send_to_api, 50)
+    return [
+        Figure(
+            f"http start -> arrival at a local API ({len(to_arrival)} calls)",
+            f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(to_arrival):.1f} ms",
+            "p50 <= 3 ms",
+            "a new client per call: p50 19 ms, max 53 ms",
+            p50 <= 3,
+            {"p50_ms": p50, "p90_ms": percentile(to_arrival, 90), "p99_ms": p99, "max_ms": max(to_arrival),
+             "connections": api.connections},
+        ),
+        Figure(
+            f"http send -> arrival at a local API ({len(send_to_api)} calls)",
+            f"p50 {api_p50:.1f} ms, p99 {percentile(send_to_api, 99):.1f} ms",
+            "p50 <= 20 ms",
+            "a new client per call: p50 29 ms",
+            api_p50 <= 20,
+            {"p50_ms": api_p50, "p99_ms": percentile(send_to_api, 99), "send_to_start_p50_ms": percentile(send_to_start, 50)},
+        ),
+    ]
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def http_hostile(ctx: Context) -> list[Figure]:
+    """A worker against a 300 MB answer, a 300 MB gzip bomb and a trickling answer: peak memory, call time."""
+    import gzip
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dispatcher.conf import dispatcher_settings
+    from dispatcher.models import CallQueue
+
+    size = 300 << 20
+    bomb = gzip.compress(b"\0" * size, compresslevel=9)
+
+    class Hostile(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            try:
+                if self.path == "/small":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"ok")
+                elif self.path == "/huge":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(size))
+                    self.end_headers()
+                    chunk = b"a" * 65536
+                    for _ in range(size // len(chunk)):
+                        self.wfile.write(chunk)
+                elif self.path == "/bomb":
+                    self.send_response(200)
+                    self.send_header("Content-Encoding", "gzip")
+                    self.send_header("Content-Length", str(len(bomb)))
+                    self.end_headers()
+                    self.wfile.write(bomb)
+                else:  # trickle: one byte every 0.5 s, for at most a minute
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    for _ in range(120):
+                        self.wfile.write(b"x")
+                        self.wfile.flush()
+                        time.sleep(0.5)
+            except OSError:
+                pass  # the worker hung up, as it should
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    reset_tables()
+    procs = ctx.processes(**_http_env())
+    timeout = 2.0
+    figures: dict[str, tuple[float, float]] = {}
+    try:
+        procs.dispenser()
+        import sys as _sys
+
+        worker = procs.start(
+            "worker", _sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", ctx.queue, "-P", "solo",
+            "-l", "warning", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", "hostile@%h",
+        )
+        for path in ["/small", "/huge", "/bomb", "/trickle"]:
+            call = CallQueue.objects.send("http", {"method": "GET", "url": f"{url}{path}", "timeout": timeout},
+                                          max_attempts=1)
+            check(_wait_finished(call.id, 90), f"the {path} call did not finish:\n" + procs.logs())
+            call.refresh_from_db()
+            attempt = call.attempt_set.get()
+            figures[path] = (_peak_rss_mb(worker.pid), (attempt.finished_at - attempt.started_at).total_seconds())
+    finally:
+        procs.stop_all()
+        server.shutdown()
+        server.server_close()
+    base = figures["/small"][0]
+    limit_mb = dispatcher_settings.HTTP_MAX_BODY * 4 / 1e6
+    rows = []
+    for path, label in (("/huge", "300 MB answer"), ("/bomb", "300 MB gzip bomb"), ("/trickle", "answer trickling 1 B / 0.5 s")):
+        peak, seconds = figures[path]
+        rows.append(Figure(
+            f"http worker against a {label} (timeout {timeout:g} s)",
+            f"peak RSS {peak:.0f} MB (+{peak - base:.1f} MB), call {seconds:.2f} s",
+            f"+<= {limit_mb:.2f} MB body limit + 10 MB, <= timeout + 1 s",
+            f"after a small call: {base:.0f} MB",
+            peak - base <= limit_mb + 10 and seconds <= timeout + 1,
+            {"peak_mb": peak, "baseline_mb": base, "call_seconds": seconds},
+        ))
+    return rows
+
+
+def _wait_finished(call_id: int, timeout: float) -> bool:
+    from dispatcher.models import CallQueue
+    from tests.procs import wait_until
+
+    return wait_until(lambda: CallQueue.objects.filter(id=call_id, status__in=CallQueue.FINISHED).exists(), timeout)
+
+
 ALL = {
     "dispatch": dispatch_throughput,
     "history": dispense_cost,
@@ -457,4 +634,6 @@ ALL = {
     "completed": completed_calls,
     "enqueue": enqueue,
     "memory": dispenser_memory,
+    "http_latency": http_latency,
+    "http_hostile": http_hostile,
 }

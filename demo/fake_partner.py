@@ -5,9 +5,12 @@ Limits: ``limit`` requests per ``period`` seconds in all, at most ``concurrency`
 of them is answered ``429 Too Many Requests`` with a ``Retry-After`` header (seconds until a slot
 frees) and does not count as served. Every arrival is recorded with its time, for the summary.
 
+With ``announce`` set to 1 it states its overall limit on every answer, in the IETF draft's
+``RateLimit-Policy`` and ``RateLimit`` fields.
+
 Run on its own: ``python -m demo.fake_partner --limit 20 --per 2 --concurrency 4``. Control and
 statistics: ``GET /_partner/stats`` (arrivals and 429s) and ``POST /_partner/limits`` with a JSON
-object of new limits (``limit``, ``period``, ``concurrency``, ``tenant_limit``).
+object of new limits (``limit``, ``period``, ``concurrency``, ``tenant_limit``, ``announce``).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-LIMIT_FIELDS = {"limit": int, "period": float, "concurrency": int, "tenant_limit": int}
+LIMIT_FIELDS = {"limit": int, "period": float, "concurrency": int, "tenant_limit": int, "announce": int}
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Limits:
     period: float = 2.0
     concurrency: int = 4
     tenant_limit: int = 6
+    announce: int = 0
 
 
 @dataclass
@@ -86,11 +90,25 @@ class Partner:
             raise ValueError(f"unknown limit fields: {', '.join(sorted(unknown))}")
         with self.lock:
             values = {name: LIMIT_FIELDS[name](value) for name, value in changes.items()}
-            if any(v <= 0 for v in values.values()):
+            if any(v <= 0 for name, v in values.items() if name != "announce"):
                 raise ValueError("limits must be greater than zero")
             for name, value in values.items():
                 setattr(self.limits, name, value)
             return self.limits
+
+    def announcement(self, now: float) -> dict[str, str]:
+        """The IETF rate-limit fields for the overall limit, if the partner announces it."""
+        lim = self.limits
+        if not lim.announce:
+            return {}
+        with self.lock:
+            live = [t for t in self.recent if t > now - lim.period]
+            remaining = max(lim.limit - len(live), 0)
+            reset = (live[0] + lim.period - now) if live else lim.period
+        return {
+            "RateLimit-Policy": f'"overall";q={lim.limit};w={lim.period:g}',
+            "RateLimit": f'"overall";r={remaining};t={max(int(reset + 0.999), 1)}',
+        }
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -145,14 +163,15 @@ def make_server(partner: Partner, port: int = 0) -> ThreadingHTTPServer:
             tenant = self.headers.get("x-tenant", "")
             wait = partner.admit(tenant, time.time())
             if wait is not None:
-                return self._answer(429, {"error": "rate limit exceeded"}, {"Retry-After": f"{wait:.3f}"})
+                headers = {"Retry-After": f"{wait:.3f}", **partner.announcement(time.time())}
+                return self._answer(429, {"error": "rate limit exceeded"}, headers)
             try:
                 time.sleep(random.uniform(*partner.latency))  # the partner does some work
             finally:
                 # Released before the answer is written: the client counts the call as
                 # running until it has read the answer, so it never sees more at once.
                 partner.release()
-            self._answer(200, {"ok": True, "tenant": tenant, "path": self.path})
+            self._answer(200, {"ok": True, "tenant": tenant, "path": self.path}, partner.announcement(time.time()))
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     server.daemon_threads = True

@@ -7,7 +7,9 @@ file and the filesystem broker) in a temporary folder of its own, so it never to
    sets the matching policies with ``manage.py ratelimit set``, starts ``dispense --loop`` and a
    Celery worker, sends calls across tenants and shows them drain at the partner's pace;
 2. the partner then tightens its limit below the policy: 429s arrive, the keys pause, and every
-   call still ends done.
+   call still ends done;
+3. the partner announces its limit in every answer (the IETF ``RateLimit`` fields) and our policy
+   is a hundred times too loose: the limit is learnt from the first answers, nearly no 429s.
 
 It ends with a summary and exits 0 only if every check passed. Every process it started is
 stopped at the end, on Ctrl-C and on SIGTERM.
@@ -61,6 +63,7 @@ class PartResult:
     max_in_flight: int = 0
     deferrals: int = 0
     limit: int = LIMIT
+    tenant_limit: int | None = TENANT_LIMIT  # None: the partner does not limit tenants in this part
     checks: list[Check] = field(default_factory=list)
 
 
@@ -155,7 +158,8 @@ def _count():
 
 
 def run_part(
-    title: str, partner: Partner, view: View, tenants: list[str], url: str, timeout: float, limit: int
+    title: str, partner: Partner, view: View, tenants: list[str], url: str, timeout: float, limit: int,
+    keys: list[str] | None = None,
 ) -> PartResult:
     """Send one call per tenant entry, then show progress until all are finished; return the figures."""
     from django.db import transaction
@@ -171,7 +175,7 @@ def run_part(
                 "method": "POST", "url": f"{url}/v1/messages", "headers": {"X-Tenant": tenant},
                 "json": {"tenant": tenant, "n": n},
             },
-            "keys": ["partner", f"partner:{tenant}"],
+            "keys": keys or ["partner", f"partner:{tenant}"],
         }
         for n, tenant in enumerate(tenants)
     ]
@@ -209,6 +213,38 @@ def run_part(
     return result
 
 
+ANNOUNCED_LIMIT = 8
+
+
+def run_learning_part(procs: Processes, partner: Partner, view: View, url: str, calls: int, quick: bool) -> PartResult:
+    """Part 3: the partner announces its limit; our policy is 100x too loose; the limit is learnt."""
+    loose = ("ratelimit", "set", "announced", "--limit", str(ANNOUNCED_LIMIT * 100), "--per", f"{PERIOD:g}s")
+    view.say(
+        f"part 3: the partner allows {ANNOUNCED_LIMIT} per {PERIOD:g}s and says so in every answer "
+        "(RateLimit-Policy / RateLimit); our policy is 100x too loose"
+    )
+    view.say("$ python manage.py " + " ".join(loose))
+    procs.manage(*loose)
+    partner.set_limits(limit=ANNOUNCED_LIMIT, tenant_limit=10_000, concurrency=10_000, announce=1)
+    part = run_part(
+        "part 3", partner, view, ["acme"] * calls, url, timeout=90 if quick else 120, limit=ANNOUNCED_LIMIT,
+        keys=["announced"],
+    )
+    from dispatcher.models import LearntLimit
+
+    part.tenant_limit = None
+    learnt = ", ".join(str(row) for row in LearntLimit.objects.filter(key="announced")) or "nothing"
+    view.say(f"  learnt: {learnt}")
+    part.checks = [
+        Check(f"every call done ({part.statuses.get('done', 0)}/{part.sent})", part.statuses.get("done", 0) == part.sent),
+        Check(f"nearly no 429s ({part.rejected_429} <= 5)", part.rejected_429 <= 5),
+        Check(f"served peak within the announced limit ({part.peak_served} <= {ANNOUNCED_LIMIT})",
+              part.peak_served <= ANNOUNCED_LIMIT),
+        Check(f"the limit was learnt ({learnt})", learnt != "nothing"),
+    ]
+    return part
+
+
 def tenant_mix(count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     names, weights = zip(*TENANTS.items(), strict=True)
@@ -222,9 +258,12 @@ def summary(parts: list[PartResult], total_elapsed: float) -> list[str]:
             f"  {part.title}: {part.sent} calls, {part.statuses.get('done', 0)} done, "
             f"{part.statuses.get('failed', 0)} failed, in {part.elapsed:.1f}s",
             f"    the partner saw: peak {part.peak} requests in any {PERIOD:g}s window "
-            f"(its limit {part.limit}; served peak {part.peak_served}), "
-            f"busiest tenant {part.tenant_peak} per {PERIOD:g}s (limit {TENANT_LIMIT}), "
-            f"at most {part.max_in_flight} at once (limit {CONCURRENCY})",
+            f"(its limit {part.limit}; served peak {part.peak_served})"
+            + (
+                f", busiest tenant {part.tenant_peak} per {PERIOD:g}s (limit {part.tenant_limit}), "
+                f"at most {part.max_in_flight} at once (limit {CONCURRENCY})"
+                if part.tenant_limit is not None else ""
+            ),
             f"    429 answers: {part.rejected_429}; calls deferred by a 429 and retried: {part.deferrals}",
         ]
         for check in part.checks:
@@ -254,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "DATABASE_URL": f"sqlite:///{work / 'db.sqlite3'}",
         "CELERY_BROKER_URL": "filesystem://",
         "EMBEDDED_BROKER_DIR": str(work / "broker"),
-        "DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1",
+        "DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1:*",  # the fake partner listens on a port the OS picks
         # SQLite has no LISTEN/NOTIFY: the dispenser polls, so poll often.
         "DISPATCHER_POLL_INTERVAL": "100ms",
         "DISPATCHER_LOG_LEVEL": "INFO",
@@ -345,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             "  fix for good without a deploy: python manage.py ratelimit set partner "
             f"--limit {TIGHTENED_LIMIT} --per {POLICY_PER} --concurrency {CONCURRENCY}"
         )
+        view.say("")
+        parts.append(run_learning_part(procs, partner, view, url, calls_two * 2, args.quick))
         dead = [(name, rc) for name, rc in procs.exited() if name != "partner" or partner_proc.poll() is not None]
         elapsed = time.monotonic() - began
         for line in summary(parts, elapsed):

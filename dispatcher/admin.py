@@ -23,7 +23,7 @@ from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
-from dispatcher.models import CallQueue, KeyState, RateLimit
+from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.redact import redact, redact_text
 
 MAX_ID = 2**63 - 1
@@ -663,3 +663,18 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
 # (a project with its own index template keeps it).
 if admin.site.index_template is None:
     admin.site.index_template = "admin/dispatcher/index.html"
+
+
+@admin.register(LearntLimit)
+class LearntLimitAdmin(admin.ModelAdmin):
+    """Limits the APIs announced in their answers; the dispatcher writes them, nobody edits them."""
+
+    list_display = ("key", "limit", "period", "expires_at", "source", "signal", "observed_at")
+    search_fields = ("key",)
+    readonly_fields = list_display
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False

@@ -31,3 +31,14 @@ class DispatcherConfig(AppConfig):
             if not any(isinstance(f, RedactingFilter) for f in logger.filters):
                 logger.addFilter(RedactingFilter())
         connect_worker_signals()
+        from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
+
+        from dispatcher.httpclient import close_client, warm_client
+
+        # The http handler's pooled client is built when a worker (or prefork child) starts, so
+        # that a first call's request does not trail its recorded start by the client's set-up;
+        # its connections end with the worker.
+        worker_init.connect(warm_client, weak=False)
+        worker_process_init.connect(warm_client, weak=False)
+        worker_process_shutdown.connect(close_client, weak=False)
+        worker_shutdown.connect(close_client, weak=False)

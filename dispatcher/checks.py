@@ -23,6 +23,22 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
             errors.append(Error("DISPATCHER_CALLS_PER_MESSAGE must be at least 1", id="dispatcher.E002"))
     except (TypeError, ValueError):
         pass  # reported above
+    errors += _http_errors()
+    return errors
+
+
+def _http_errors() -> list[Error]:
+    """Report allow-list and secret entries the http handler cannot read."""
+    from dispatcher.conf import dispatcher_settings
+    from dispatcher.handlers import host_rules, secret_grants
+
+    errors = []
+    for name, read in (("HTTP_ALLOWED_HOSTS", lambda: host_rules(dispatcher_settings.HTTP_ALLOWED_HOSTS)),
+                       ("HTTP_SECRETS", secret_grants)):
+        try:
+            read()
+        except (TypeError, ValueError) as exc:
+            errors.append(Error(f"DISPATCHER_{name} is invalid: {exc}", id="dispatcher.E003"))
     return errors
 
 

@@ -93,10 +93,21 @@ class DispatcherSettings:
     )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
-    HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")
-    HTTP_SECRETS = Setting("", _as_list, "Settings/env names http headers may reference as {'secret': NAME}.")
+    HTTP_ALLOWED_HOSTS = Setting(
+        "", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax, plus `:port` or `:*`).",
+    )
+    HTTP_SECRETS = Setting(
+        "", _as_list,
+        "Settings/env names http headers may reference as {'secret': NAME}; NAME[:Header]@host[:port] binds one to hosts.",
+    )
     HTTP_TIMEOUT = Setting(30.0, _as_float, "Default timeout of the http handler, in seconds.")
-    HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores.")
+    HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores (and about all it reads).")
+    HTTP_ALLOW_INTERNAL_NAMES = Setting(
+        False, _as_bool,
+        "Let allow-listed host names resolve to loopback, private or link-local addresses (IPs listed literally always may).",
+    )
+    MAX_PAUSE = Setting("1h", parse_duration, "Longest a downstream's 429, Retry-After or rate-limit header may pause a key.")
+    LEARNT_LIMIT_TTL = Setting("1h", parse_duration, "How long a limit learnt from an API's headers lasts unless repeated.")
     RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'concurrency'?}].")
     PRUNE_BATCH = Setting(1000, _as_int, "Rows prune_calls deletes per transaction.")
     RESCUE_BATCH = Setting(200, _as_int, "Calls the rescue sweep returns per transaction.")

@@ -1,33 +1,107 @@
-"""The built-in ``http`` handler: one HTTP request to an allow-listed host."""
+"""The built-in ``http`` handler: one HTTP request to an allow-listed host and port."""
 from __future__ import annotations
 
-import email.utils
 import ipaddress
 import os
+import re
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import idna
 from django.conf import settings as django_settings
 from django.http.request import validate_host
 
-from dispatcher import PermanentError, RateLimited, handler
+from dispatcher import PermanentError, RateLimited, handler, httpclient, learning, ratelimit_headers
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
-from dispatcher.redact import SECRET_NAME
+from dispatcher.httpclient import get_client, read_body
+from dispatcher.redact import REDACTED, SECRET_NAME
 
 HTTP_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
 HTTP_PARAMS = {"method", "url", "headers", "json", "data", "timeout"}
 MAX_RETRY_AFTER = 86400.0
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# The client sets these from the request itself; a caller's would smuggle or confuse framing.
+FORBIDDEN_HEADERS = {
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-connection",
+    "te", "trailer", "upgrade", "expect", "proxy-authorization", "proxy-authenticate",
+}
+# RFC 9110 field names and values as h11 (httpx's HTTP/1.1 engine) checks them; httpx encodes
+# values as ASCII, so obs-text is refused too.
+HEADER_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
+HEADER_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
+MAX_HEADER_VALUE = 8192
 
 
 class RetryableHTTPError(Exception):
-    """A 5xx answer: worth another attempt."""
+    """A 5xx answer, a timeout or a failed connection: worth another attempt."""
+
+
+@dataclass(frozen=True)
+class HostRule:
+    """One allow-list entry: a Django ALLOWED_HOSTS pattern and the ports it opens."""
+
+    pattern: str
+    port: int | None  # None: the scheme's default port only
+    any_port: bool = False
+
+    @classmethod
+    def parse(cls, entry: str) -> HostRule:
+        entry = entry.strip().lower()
+        host, port = entry, ""
+        if entry.startswith("["):
+            close = entry.find("]")
+            host, port = entry[: close + 1], entry[close + 1 :].removeprefix(":")
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")
+        if port == "*":
+            return cls(host, None, any_port=True)
+        if port:
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"bad port in allow-list entry {entry!r}")
+            return cls(host, int(port))
+        return cls(host, None)
+
+    def admits(self, host: str, scheme: str, port: int | None) -> bool:
+        effective = port if port is not None else DEFAULT_PORTS[scheme]
+        if not (self.any_port or effective == (self.port if self.port is not None else DEFAULT_PORTS[scheme])):
+            return False
+        return validate_host(host, [self.pattern])
+
+
+def host_rules(entries: list[str]) -> list[HostRule]:
+    """Parse allow-list entries; an unparsable one raises ValueError."""
+    return [HostRule.parse(entry) for entry in entries if entry.strip()]
+
+
+def _url_host(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    try:
+        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return host, parts.scheme.lower(), parts.port
+
+
+def _check_idna(host: str) -> None:
+    """Refuse a host httpx or the TLS layer would refuse at run time (bad punycode, bad IDNA)."""
+    if "" in host.removesuffix(".").split("."):
+        raise InvalidParams(f"http: host {host!r} has an empty label")
+    for label in host.split("."):
+        if label.lower().startswith("xn--"):
+            try:
+                idna.decode(label)
+            except (idna.IDNAError, UnicodeError, ValueError) as exc:
+                raise InvalidParams(f"http: host label {label!r} is not valid IDNA: {exc}") from None
 
 
 def check_url(url: Any) -> str:
-    """Return the URL if its scheme is http(s) and its host is allow-listed, else raise InvalidParams."""
+    """Return the URL if its scheme is http(s) and its host and port are allow-listed, else raise InvalidParams."""
     if not isinstance(url, str) or not url:
         raise InvalidParams("http: 'url' must be a non-empty string")
     if len(url) > 8192 or any(ord(c) < 33 or ord(c) == 127 for c in url):
@@ -38,47 +112,102 @@ def check_url(url: Any) -> str:
         parts.port  # noqa: B018 - raises ValueError for a bad port
     except ValueError as exc:
         raise InvalidParams(f"http: malformed url {url!r}: {exc}") from None
-    if parts.scheme not in ("http", "https"):
+    if parts.scheme.lower() not in ("http", "https"):
         raise InvalidParams(f"http: only http and https urls are allowed, not {parts.scheme or 'none'!r}")
     if "@" in parts.netloc:
         raise InvalidParams("http: credentials in the url are refused; put them in headers from settings")
     if not host:
         raise InvalidParams(f"http: url {url!r} names no host")
-    allowed = dispatcher_settings.HTTP_ALLOWED_HOSTS
-    candidate = host
     try:
-        if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
-            candidate = f"[{host}]"
-    except ValueError:
-        pass
-    if not allowed or not validate_host(candidate, allowed):
+        httpx.URL(url)
+    except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
+        raise InvalidParams(f"http: the http client refuses url {url!r}: {exc}") from None
+    _check_idna(host)
+    entries = dispatcher_settings.HTTP_ALLOWED_HOSTS
+    candidate, scheme, port = _url_host(url)
+    try:
+        rules = host_rules(entries)
+    except ValueError as exc:
+        raise InvalidParams(f"http: DISPATCHER_HTTP_ALLOWED_HOSTS: {exc}") from None
+    if not any(rule.admits(candidate, scheme, port) for rule in rules):
+        shown = f"{host}:{port}" if port is not None else host
         raise InvalidParams(
-            f"http: host {host!r} is not in DISPATCHER_HTTP_ALLOWED_HOSTS ({', '.join(allowed) or 'empty'})"
+            f"http: {shown!r} is not in DISPATCHER_HTTP_ALLOWED_HOSTS ({', '.join(entries) or 'empty'}); "
+            "an entry without a port opens the scheme's default port only"
         )
     return url
 
 
+@dataclass(frozen=True)
+class SecretGrant:
+    """Where one secret may be sent: under which header (any if None), to which hosts (any allowed if none)."""
+
+    header: str | None
+    rules: tuple[HostRule, ...]
+
+
+def secret_grants() -> dict[str, list[SecretGrant]]:
+    """Parse DISPATCHER_HTTP_SECRETS: ``NAME``, ``NAME@host[:port]``, ``NAME:Header@host[:port]``."""
+    grants: dict[str, list[SecretGrant]] = {}
+    for entry in dispatcher_settings.HTTP_SECRETS:
+        left, at, host = entry.partition("@")
+        name, _, header = left.partition(":")
+        rules = (HostRule.parse(host),) if at else ()
+        grants.setdefault(name.strip(), []).append(SecretGrant(header.strip().lower() or None, rules))
+    return grants
+
+
+def _secret_name(header: str, value: dict[str, Any], url: str | None = None) -> str:
+    """Return the setting a ``{"secret": NAME}`` header value refers to, if it may go there."""
+    name = value.get("secret")
+    if set(value) != {"secret"} or not isinstance(name, str):
+        raise InvalidParams(f"http: header {header!r} must be a string or {{\"secret\": \"SETTING_NAME\"}}")
+    try:
+        grants = secret_grants()
+    except ValueError as exc:
+        raise InvalidParams(f"http: DISPATCHER_HTTP_SECRETS: {exc}") from None
+    if name not in grants:
+        raise InvalidParams(f"http: secret {name!r} is not listed in DISPATCHER_HTTP_SECRETS")
+    if url is not None:
+        host, scheme, port = _url_host(url)
+        if not any(
+            (grant.header is None or grant.header == header.lower())
+            and (not grant.rules or any(rule.admits(host, scheme, port) for rule in grant.rules))
+            for grant in grants[name]
+        ):
+            raise InvalidParams(
+                f"http: secret {name!r} may not be sent under header {header!r} to {host!r} "
+                "(DISPATCHER_HTTP_SECRETS binds it as NAME:Header@host)"
+            )
+    return name
+
+
 def validate_http(params: dict[str, Any]) -> None:
-    """Check the params of an ``http`` call before it is stored."""
+    """Check the params of an ``http`` call before it is stored: what the client would refuse too."""
     unknown = set(params) - HTTP_PARAMS
     if unknown:
         raise InvalidParams(f"http: unknown params {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(HTTP_PARAMS))}")
     method = params.get("method")
     if not isinstance(method, str) or method.upper() not in HTTP_METHODS:
         raise InvalidParams(f"http: 'method' must be one of {', '.join(sorted(HTTP_METHODS))}, not {method!r}")
-    check_url(params.get("url"))
+    url = check_url(params.get("url"))
     headers = params.get("headers")
     if headers is not None:
         if not isinstance(headers, dict):
             raise InvalidParams("http: 'headers' must be an object of strings")
         for name, value in headers.items():
-            if not name or any(c in name for c in ":\r\n \t"):
-                raise InvalidParams(f"http: bad header name {name!r}: header names are tokens")
+            if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
+                raise InvalidParams(f"http: bad header name {name!r}: header names are ASCII tokens")
+            if name.lower() in FORBIDDEN_HEADERS:
+                raise InvalidParams(f"http: header {name!r} is set by the client from the request; it cannot be given")
             if isinstance(value, dict):
-                _secret_name(name, value)
+                _secret_name(name, value, url)
                 continue
-            if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
-                raise InvalidParams(f"http: bad header {name!r}: values are single-line strings")
+            if not isinstance(value, str) or len(value) > MAX_HEADER_VALUE or not HEADER_VALUE.fullmatch(value):
+                raise InvalidParams(
+                    f"http: bad header {name!r}: values are single-line printable ASCII strings "
+                    "without leading or trailing spaces"
+                )
             if SECRET_NAME.search(name):
                 raise InvalidParams(
                     f"http: header {name!r} carries a credential; give it as {{\"secret\": \"SETTING_NAME\"}} so it is "
@@ -94,50 +223,46 @@ def validate_http(params: dict[str, Any]) -> None:
         raise InvalidParams("http: 'timeout' must be a number of seconds between 0 and 300")
 
 
-def _secret_name(header: str, value: dict[str, Any]) -> str:
-    """Return the setting a ``{"secret": NAME}`` header value refers to, if it is allowed."""
-    name = value.get("secret")
-    if set(value) != {"secret"} or not isinstance(name, str):
-        raise InvalidParams(f"http: header {header!r} must be a string or {{\"secret\": \"SETTING_NAME\"}}")
-    if name not in dispatcher_settings.HTTP_SECRETS:
-        raise InvalidParams(f"http: secret {name!r} is not listed in DISPATCHER_HTTP_SECRETS")
-    return name
-
-
-def resolve_headers(headers: dict[str, Any]) -> dict[str, str]:
+def resolve_headers(headers: dict[str, Any], url: str | None = None) -> dict[str, str]:
     """Fill ``{"secret": NAME}`` header values from Django settings or the environment."""
-    resolved = {}
+    return _resolve_headers(headers, url)[0]
+
+
+def _resolve_headers(headers: dict[str, Any], url: str | None) -> tuple[dict[str, str], list[str]]:
+    """Return the headers filled in and the secret values used (to scrub them from any text)."""
+    resolved, secrets = {}, []
     for header, value in headers.items():
         if isinstance(value, dict):
             try:
-                name = _secret_name(header, value)
+                name = _secret_name(header, value, url)
             except InvalidParams as exc:  # the list of secrets changed since send()
                 raise PermanentError(str(exc)) from None
             secret = getattr(django_settings, name, None) or os.environ.get(name)
             if not secret:
                 raise PermanentError(f"secret {name!r} for header {header!r} is not set")
-            resolved[header] = str(secret)
+            secret = str(secret)
+            if not HEADER_VALUE.fullmatch(secret) or len(secret) > MAX_HEADER_VALUE:
+                # Never echo the value: it may be a real credential with a stray newline.
+                raise PermanentError(
+                    f"secret {name!r} for header {header!r} has characters a header cannot carry "
+                    "(a newline, a control or non-ASCII character, or surrounding spaces)"
+                )
+            resolved[header] = secret
+            secrets.append(secret)
         else:
             resolved[header] = value
-    return resolved
+    return resolved, secrets
 
 
 def parse_retry_after(value: str | None) -> float | None:
     """Return the seconds a Retry-After header asks for (delta-seconds or an HTTP date)."""
-    if not value:
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        seconds = when.timestamp() - time.time()
-    if seconds != seconds:
-        return None
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+    return ratelimit_headers.parse_retry_after(value, time.time())
+
+
+def _scrub(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
 
 
 @handler("http", validator=validate_http)
@@ -147,26 +272,59 @@ def http(**params: Any) -> dict[str, Any]:
         url = check_url(params["url"])  # the allow-list may have changed since send()
     except InvalidParams as exc:
         raise PermanentError(str(exc)) from None
-    timeout = params.get("timeout") or dispatcher_settings.HTTP_TIMEOUT
-    request: dict[str, Any] = {"headers": resolve_headers(params.get("headers") or {})}
+    timeout = float(params.get("timeout") or dispatcher_settings.HTTP_TIMEOUT)
+    headers, secrets = _resolve_headers(params.get("headers") or {}, url)
+    headers.setdefault("Accept-Encoding", "gzip, deflate")  # what read_body can decode with a bound
+    request: dict[str, Any] = {"headers": headers}
     if "json" in params:
         request["json"] = params["json"]
     elif isinstance(params.get("data"), dict):
         request["data"] = params["data"]
     elif params.get("data") is not None:
         request["content"] = params["data"]
-    # Redirects are not followed: the next hop could be a host off the allow-list.
-    with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
-        response = client.request(params["method"].upper(), url, **request)
-    body = response.text[: dispatcher_settings.HTTP_MAX_BODY]
-    status = response.status_code
+    host, _, port = _url_host(url)
+    origin = f"{host}:{port}" if port is not None else host
+    limit = max(dispatcher_settings.HTTP_MAX_BODY, 0)
+    try:
+        # ``timeout`` bounds the whole call: connect, send, headers and body together.
+        with httpclient.deadline(timeout), get_client().stream(
+            params["method"].upper(), url, timeout=timeout, **request
+        ) as response:
+            raw, truncated = read_body(response, limit * 4)
+            status, answer_headers = response.status_code, response.headers
+            encoding = response.charset_encoding or "utf-8"
+    except httpclient.AddressRefused as exc:
+        raise PermanentError(str(exc)) from None
+    except httpx.TransportError:
+        # One text for every failure to talk to the host (refused, reset, silent, not HTTP,
+        # too slow): a caller must not learn from it which ports are open or what listens there.
+        raise RetryableHTTPError(f"http: no usable answer from {origin} within {timeout:g}s") from None
+    except (httpx.HTTPError, UnicodeError, ValueError) as exc:
+        raise PermanentError(_scrub(f"http: request refused by the client: {type(exc).__name__}: {exc}", secrets)) from None
+    except Exception as exc:  # anything else: retried, its text scrubbed, its chain (and locals) dropped
+        raise RetryableHTTPError(_scrub(f"http: {type(exc).__name__}: {exc}", secrets)) from None
+    try:
+        body = raw.decode(encoding, errors="replace")
+    except LookupError:
+        body = raw.decode("utf-8", errors="replace")
+    cut = len(body) > limit
+    # PostgreSQL's text and jsonb cannot hold NUL: the body must be storable whatever came.
+    body = _scrub(body[:limit], secrets).replace("\x00", "\ufffd")
+    signal = ratelimit_headers.parse(answer_headers, status, time.time())
     if status == 429:
-        raise RateLimited(retry_after=parse_retry_after(response.headers.get("retry-after")), message=f"HTTP 429: {body[:200]}")
+        learning.apply(ratelimit_headers.Signal(
+            remaining=signal.remaining, reset=signal.reset, windows=signal.windows, source=signal.source, text=signal.text,
+        ))  # the pause itself is the RateLimited below, on the same keys
+        raise RateLimited(retry_after=learning.cap_pause(signal.wait()), message=f"HTTP 429: {body[:200]}")
+    learning.apply(signal)
     if status >= 500:
         raise RetryableHTTPError(f"HTTP {status}: {body[:500]}")
     if status >= 300:
         raise PermanentError(f"HTTP {status}: {body[:500]}")
-    return {"status": status, "body": body}
+    result: dict[str, Any] = {"status": status, "body": body}
+    if truncated or cut:
+        result["truncated"] = True
+    return result
 
 
 def _validate_task(params: dict[str, Any]) -> None:

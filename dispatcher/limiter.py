@@ -20,6 +20,8 @@ from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, pattern_matches
 
 UNLIMITED = 10**9
+# Marks learnt limits among the policy rows (no real policy has a negative concurrency).
+LEARNT = -1
 # The channel on which send(), finishes and policy edits wake long-running dispensers.
 WAKE_CHANNEL = "dispatcher_wake"
 
@@ -41,6 +43,8 @@ class Policies:
     exact: dict[str, list[Policy]] = field(default_factory=dict)
     patterns: list[tuple[str, list[Policy]]] = field(default_factory=list)
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
+    # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
+    learnt: dict[str, list[Policy]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[Policy], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -67,21 +71,28 @@ class Policies:
             rows = list(_policies_query())
         policies: list[Policy] = []
         pattern_pauses: dict[str, datetime] = {}
+        learnt: dict[str, list[Policy]] = {}
         for key, limit, period, concurrency, until in rows:
-            if until is not None:
+            if concurrency == LEARNT:
+                learnt.setdefault(key, []).append(Policy(key=key, limit=limit, period=period))
+            elif until is not None:
                 pattern_pauses[key] = until
             else:
                 policies.append(Policy(key=key, limit=limit, period=period, concurrency=concurrency))
-        return cls.from_rows(policies, pattern_pauses)
+        loaded = cls.from_rows(policies, pattern_pauses)
+        loaded.learnt = learnt
+        return loaded
 
     def for_key(self, key: str) -> list[Policy]:
-        """Return the policies governing a key: its exact ones, else the most specific pattern's."""
+        """Return the policies governing a key: its exact ones, else the most specific pattern's;
+        and the limits learnt for it."""
+        learnt = self.learnt.get(key, []) if self.learnt else []
         if key in self.exact:
-            return self.exact[key]
+            return self.exact[key] + learnt
         for pattern, policies in self.patterns:
             if pattern_matches(pattern, key):
-                return policies
-        return []
+                return policies + learnt
+        return learnt
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None
@@ -92,8 +103,11 @@ class Policies:
 
 
 def _policies_query() -> models.QuerySet:
-    """The policies, then the pattern pauses with the policy columns empty: one round trip."""
-    from dispatcher.models import KeyState, RateLimit
+    """The policies, then the pattern pauses with the policy columns empty, then the unexpired
+    learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
+    from django.db.models.functions import Now
+
+    from dispatcher.models import KeyState, LearntLimit, RateLimit
 
     policies = RateLimit.objects.order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
         "key", "limit", "period", "concurrency", "until"
@@ -103,7 +117,10 @@ def _policies_query() -> models.QuerySet:
         no_period=models.Value(None, models.DurationField()),
         no_concurrency=models.Value(None, models.IntegerField()),
     ).values_list("key", "no_limit", "no_period", "no_concurrency", "paused_until")
-    return policies.union(pauses, all=True)
+    learnt = LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
+        marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
+    ).values_list("key", "limit", "period", "marker", "no_until")
+    return policies.union(pauses, learnt, all=True)
 
 
 @functools.cache

@@ -129,16 +129,23 @@ class DispatcherCollector(Collector):
         limit = GaugeMetricFamily("dispatcher_limiter_limit", "The policy's limit per window.", labels=["key", "period_seconds"])
         in_flight = GaugeMetricFamily("dispatcher_key_in_flight", "Calls dispatched or running, by key.", labels=["key"])
         paused = GaugeMetricFamily("dispatcher_key_paused", "1 while a key is paused.", labels=["key"])
+        learnt = GaugeMetricFamily(
+            "dispatcher_learnt_limit", "A limit an API announced for a key, applied until it expires.",
+            labels=["key", "period_seconds"],
+        )
         for s in statuses:
             key = redact_text(s.key)
             for p in s.policies:
+                if p.learnt:
+                    learnt.add_metric([key, f"{p.period.total_seconds():g}"], p.limit)
+                    continue
                 labels = [key, f"{p.period.total_seconds():g}"]
                 utilisation.add_metric(labels, p.utilisation)
                 used.add_metric(labels, p.used)
                 limit.add_metric(labels, p.limit)
             in_flight.add_metric([key], s.in_flight)
             paused.add_metric([key], 1 if s.paused_until else 0)
-        yield from (utilisation, used, limit, in_flight, paused)
+        yield from (utilisation, used, limit, in_flight, paused, learnt)
 
     def _liveness(self) -> Iterator:
         from dispatcher import liveness

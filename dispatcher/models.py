@@ -216,3 +216,26 @@ class Heartbeat(models.Model):
 
     def __str__(self) -> str:
         return self.name
+class LearntLimit(models.Model):
+    """A limit an API announced for a key, applied beside the configured policies until it expires."""
+
+    key = models.CharField(max_length=200)
+    limit = models.PositiveIntegerField(help_text="Most calls the API allows per period.")
+    period = models.DurationField(help_text="The API's window (the longest seen when it does not name one).")
+    expires_at = models.DateTimeField(help_text="The limit is forgotten then, unless the API repeats it.")
+    source = models.CharField(max_length=40, help_text="Which headers said it: ietf, x-ratelimit, ratelimit, handler.")
+    signal = models.CharField(max_length=200, blank=True, default="", help_text="The last signal the API gave.")
+    observed_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "dispatcher_learntlimit"
+        ordering = ["key", "period"]
+        constraints = [
+            models.UniqueConstraint(fields=["key", "period"], name="dispatcher_learntlimit_key_period_uniq"),
+            models.CheckConstraint(condition=Q(limit__gte=1), name="dispatcher_learntlimit_limit_gte_1"),
+            models.CheckConstraint(condition=Q(period__gt=timedelta(0)), name="dispatcher_learntlimit_period_gt_0"),
+        ]
+        indexes = [models.Index(fields=["expires_at"], name="dispatcher_learntlimit_exp_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.limit} per {self.period.total_seconds():g}s (learnt from {self.source})"

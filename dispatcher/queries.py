@@ -660,7 +660,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         from dispatcher.models import Attempt
 
         wait = timedelta(seconds=retry_after) if retry_after is not None else dispatcher_settings.DEFAULT_RETRY_AFTER
-        wait = max(wait, timedelta(0))
+        # A downstream may ask for any pause; none lasts longer than DISPATCHER_MAX_PAUSE.
+        wait = min(max(wait, timedelta(0)), dispatcher_settings.MAX_PAUSE)
         keys = parse_key_set(call.key_set)
         paused = [key] if key else keys
         max_deferrals = dispatcher_settings.MAX_DEFERRALS

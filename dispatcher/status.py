@@ -34,6 +34,7 @@ class PolicyUse:
     period: timedelta
     used: int
     concurrency: int | None
+    learnt: bool = False  # announced by the API (dispatcher.learning), not configured
 
     @property
     def utilisation(self) -> float:
@@ -45,7 +46,8 @@ class PolicyUse:
         return self.limit * 60 / self.period.total_seconds()
 
     def label(self) -> str:
-        return f"{self.limit} per {format_duration(self.period)}"
+        text = f"{self.limit} per {format_duration(self.period)}"
+        return f"{text} (learnt from the API)" if self.learnt else text
 
 
 @dataclass
@@ -123,6 +125,7 @@ class KeyStatus:
                     "period_seconds": p.period.total_seconds(),
                     "used": p.used,
                     "utilisation": round(p.utilisation, 4),
+                    **({"learnt": True} if p.learnt else {}),  # a limit the API announced
                 }
                 for p in self.policies
             ],
@@ -247,7 +250,8 @@ def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies)
         key=key,
         now=now,
         policies=[
-            PolicyUse(p.key, p.limit, p.period, used, p.concurrency) for p, used in zip(governing, counts, strict=True)
+            PolicyUse(p.key, p.limit, p.period, used, p.concurrency, learnt=p in policies.learnt.get(key, ()))
+            for p, used in zip(governing, counts, strict=True)
         ],
         reserved=max(state.reserved, 0),
         running=max(state.running, 0),
@@ -363,7 +367,9 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
             ))
         else:
             frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
-            reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
+            learnt = {f"{p.limit} per {format_duration(p.period)} used" for p in policies.learnt.get(key, ())}
+            source = " (a limit the API announced)" if verdict.reason in learnt else ""
+            reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
     elif any(r.until is None for r in reasons):

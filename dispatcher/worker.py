@@ -15,6 +15,7 @@ from django.db import InterfaceError, OperationalError, connection
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
+from dispatcher.learning import running_call
 from dispatcher.registry import get_handler
 from dispatcher.validation import bounded_seconds, check_json
 
@@ -81,7 +82,8 @@ def execute(call_id: int, dispatch_no: int) -> str:
     log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     try:
         fn = get_handler(call.method).fn
-        result = fn(**call.params)
+        with running_call(call.keys):  # the keys an API's rate-limit signals apply to
+            result = fn(**call.params)
     except RateLimited as exc:
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
         retry_after = bounded_seconds(exc.retry_after)

@@ -11,7 +11,8 @@ from tests.fakeapi import FakeAPI
 from tests.procs import Processes, database_url
 
 # Read lazily by dispatcher.conf, by this process and by every process the tests start.
-os.environ.setdefault("DISPATCHER_HTTP_ALLOWED_HOSTS", "127.0.0.1")
+# The fake APIs listen on 127.0.0.1 at ports the OS picks: any port of that address (listed literally).
+os.environ.setdefault("DISPATCHER_HTTP_ALLOWED_HOSTS", "127.0.0.1:*")
 os.environ.setdefault("DISPATCHER_RETRY_BASE", "100ms")
 os.environ.setdefault("DISPATCHER_RETRY_MAX", "1s")
 os.environ.setdefault("DISPATCHER_POLL_INTERVAL", "200ms")
@@ -27,6 +28,14 @@ def pytest_collection_modifyitems(config, items) -> None:
         for item in items:
             if "postgres" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _forget_learnt_limits():
+    """Each test starts without this process's memory of limits already stored."""
+    from dispatcher import learning
+
+    learning._stored.clear()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import defaultdict, deque
@@ -26,7 +27,11 @@ class FakeAPI:
     /limited/<id>?times=N&after=S (429 with Retry-After S, N times, then 200), /slow?delay=S.
 
     With ``enforce=(limit, period)`` the API itself answers 429 (Retry-After) to any request
-    beyond ``limit`` in the last ``period`` seconds, as a real partner would.
+    beyond ``limit`` in the last ``period`` seconds, as a real partner would. With ``announce``
+    it also states its limit on every answer: ``"x-seconds"`` (X-RateLimit-* with the reset in
+    seconds), ``"x-epoch"`` (the reset as an epoch timestamp), ``"ietf"`` (RateLimit and
+    RateLimit-Policy) or ``"retry-after"`` (nothing but Retry-After on its 429s).
+    ``connections`` counts the TCP connections it accepted.
     """
 
     enforce: tuple[int, float] | None = None
@@ -35,17 +40,28 @@ class FakeAPI:
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     recent: deque = field(default_factory=deque)
     rejected_429: int = 0
+    rejected_at: list[float] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+    announce: str | None = None
+    connections: int = 0
 
     def start(self) -> FakeAPI:
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # Headers and body go out in two writes; without this, Nagle's algorithm holds the
+            # body back for the client's delayed ACK (40 ms) on a kept-alive connection.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args) -> None:  # quiet
                 pass
+
+            def setup(self) -> None:
+                with api.lock:
+                    api.connections += 1
+                super().setup()
 
             def do_GET(self) -> None:
                 api._serve(self)
@@ -84,10 +100,17 @@ class FakeAPI:
                     self.recent.popleft()
                 if len(self.recent) >= limit:
                     self.rejected_429 += 1
+                    self.rejected_at.append(now)
                     retry = max(0.05, self.recent[0] + period - now)
                     self.in_flight -= 1
-                    return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": f"{retry:.3f}"})
+                    headers = self._announced(limit, period, 0, retry, now) if self.announce else {}
+                    headers.setdefault("Retry-After", f"{retry:.3f}" if not self.announce else str(math.ceil(retry)))
+                    return self._answer(req, 429, {"error": "slow down"}, headers)
                 self.recent.append(now)
+                announced = (
+                    self._announced(limit, period, limit - len(self.recent), self.recent[0] + period - now, now)
+                    if self.announce else {}
+                )
             counter_key = parts.path
             self.counters[counter_key] += 1
             seen = self.counters[counter_key]
@@ -103,10 +126,23 @@ class FakeAPI:
                 return self._answer(req, 400, {"error": "bad request"})
             if kind == "limited" and seen <= int(query.get("times", "1")):
                 return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": query.get("after", "1")})
-            return self._answer(req, 200, {"ok": True, "seen": seen, "path": parts.path})
+            return self._answer(req, 200, {"ok": True, "seen": seen, "path": parts.path}, announced if self.enforce else None)
         finally:
             with self.lock:
                 self.in_flight -= 1
+
+    def _announced(self, limit: int, period: float, remaining: int, reset: float, now: float) -> dict[str, str]:
+        """The headers with which the API states its limit, in the style chosen."""
+        if self.announce == "x-seconds":
+            return {"X-RateLimit-Limit": str(limit), "X-RateLimit-Remaining": str(remaining), "X-RateLimit-Reset": f"{reset:.3f}"}
+        if self.announce == "x-epoch":
+            return {"X-RateLimit-Limit": str(limit), "X-RateLimit-Remaining": str(remaining), "X-RateLimit-Reset": f"{now + reset:.3f}"}
+        if self.announce == "ietf":
+            return {
+                "RateLimit-Policy": f'"default";q={limit};w={math.ceil(period)}',
+                "RateLimit": f'"default";r={remaining};t={math.ceil(reset)}',
+            }
+        return {}
 
     @staticmethod
     def _answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:

@@ -39,7 +39,7 @@ def test_urls_off_the_allow_list_are_refused_at_send(url, settings):
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1/x", "https://127.0.0.1:8443/y?z=1", "HTTP://127.0.0.1/"])
 def test_allowed_urls_pass(url, settings):
-    settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
+    settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1", "127.0.0.1:8443"]
     assert check_url(url) == url
 
 
@@ -82,7 +82,7 @@ def test_redirects_to_other_hosts_are_not_followed(settings):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
+        settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1:*"]
         with pytest.raises(PermanentError, match="HTTP 302"):
             http(method="GET", url=f"http://127.0.0.1:{server.server_address[1]}/go")
         assert hits == ["/go"]

@@ -1,0 +1,232 @@
+"""The http handler's pooled client: one per process, every connection vetted, every call bounded.
+
+One ``httpx.Client`` per worker process, created at the first call and shared by the process's
+threads and greenlets: httpcore's connection pool is guarded by a lock (a gevent-aware one once
+gevent has patched ``threading``), and one client per greenlet would defeat keep-alive, since
+gevent runs every task in a new greenlet. It is dropped in a forked child and closed when the
+worker shuts down (``close_client``, connected to Celery's shutdown signals in ``apps.py``).
+
+The pool holds no ``DISPATCHER_HTTP_*`` value: the allow-list, the secrets, the timeout and the
+body limit are read at every call, and the address check at every new connection.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from http.cookiejar import DefaultCookiePolicy
+from typing import Any
+
+import httpcore
+import httpx
+
+from dispatcher.conf import dispatcher_settings
+
+# The monotonic time by which the current call must be over; every read, write and connect
+# of its request is cut to what is left, so a trickling answer cannot outlive the call.
+_deadline: ContextVar[float | None] = ContextVar("dispatcher_http_deadline", default=None)
+
+_client: httpx.Client | None = None
+_client_lock = threading.Lock()
+
+
+class AddressRefused(Exception):
+    """A name resolved to a loopback, private or link-local address, which is not allowed."""
+
+
+def _left(timeout: float | None, error: type[Exception]) -> float | None:
+    """Return the timeout of one network operation, cut to what is left of the call's time."""
+    deadline = _deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise error("the call's timeout has passed")
+    return left if timeout is None else min(timeout, left)
+
+
+class _BoundedStream(httpcore.NetworkStream):
+    """A connection whose every operation ends by the current call's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream):
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _left(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _left(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None):
+        return _BoundedStream(self._inner.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+def _is_internal(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not ip.is_global or ip.is_multicast
+
+
+def vetted_addresses(host: str, port: int) -> list[str]:
+    """Resolve a host; refuse a name that leads to an internal address unless allowed.
+
+    An IP address in the URL was allow-listed literally and is connected to as given. The
+    connection is made to the address checked here, so a second resolution (DNS rebinding)
+    cannot lead elsewhere.
+    """
+    try:
+        ipaddress.ip_address(host)
+        return [host]
+    except ValueError:
+        pass
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    if not dispatcher_settings.HTTP_ALLOW_INTERNAL_NAMES:
+        if any(_is_internal(a) for a in addresses):
+            raise AddressRefused(
+                f"http: {host} resolves to a loopback, private or link-local address; refused "
+                "(list the address itself, or set DISPATCHER_HTTP_ALLOW_INTERNAL_NAMES)"
+            )
+    return addresses
+
+
+class _GuardedBackend(httpcore.NetworkBackend):
+    """Opens TCP connections only to vetted addresses, each bounded by the call's deadline."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        try:
+            addresses = vetted_addresses(host, port)
+        except OSError as exc:
+            raise httpcore.ConnectError(f"cannot resolve {host}") from exc
+        failure: Exception | None = None
+        for address in addresses:
+            try:
+                stream = self._inner.connect_tcp(
+                    address, port, _left(timeout, httpcore.ConnectTimeout), local_address, socket_options
+                )
+            except httpcore.ConnectError as exc:
+                failure = exc
+                continue
+            return _BoundedStream(stream)
+        raise failure or httpcore.ConnectError(f"no address for {host}")
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None):
+        raise httpcore.ConnectError("unix sockets are not used")
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def _new_client() -> httpx.Client:
+    # TCP_NODELAY: a request's headers and body are two writes; Nagle's algorithm would hold
+    # the body back for the server's delayed ACK.
+    transport = httpx.HTTPTransport(retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    # httpx takes no network backend; its pool does. Pinned httpx, and tests cover the check.
+    transport._pool._network_backend = _GuardedBackend()
+    client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)
+    # Calls are independent: a cookie one API set must not ride along on the next call.
+    client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+    return client
+
+
+def get_client() -> httpx.Client:
+    """Return the process's client, creating it at first use."""
+    global _client
+    if _client is None:
+        with _client_lock:
+            if _client is None:
+                _client = _new_client()
+    return _client
+
+
+def warm_client(**_: Any) -> None:
+    """Build the process's client ahead of its first call (at worker start)."""
+    get_client()
+
+
+def close_client(**_: Any) -> None:
+    """Close the process's client and its connections (at worker shutdown)."""
+    global _client
+    with _client_lock:
+        client, _client = _client, None
+    if client is not None:
+        client.close()
+
+
+def _forget_client() -> None:
+    # A forked child must not share the parent's sockets; it builds its own client.
+    global _client, _client_lock
+    _client = None
+    _client_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_client)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Bound every network operation inside the block to ``seconds`` from now in all."""
+    token = _deadline.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+# Most raw bytes read for one answer, whatever it decompresses to.
+RAW_FACTOR = 64
+
+
+def read_body(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """Read at most ``limit`` decoded bytes of a streamed answer; return them and whether more came.
+
+    Decompression is done here, with an output bound, so that a small compressed answer that
+    expands to gigabytes (a gzip bomb) costs ``limit`` bytes of memory, not its expansion.
+    """
+    encodings = [e.strip().lower() for e in response.headers.get("content-encoding", "").split(",") if e.strip()]
+    encodings = [e for e in encodings if e != "identity"]
+    decoder = None
+    if len(encodings) == 1 and encodings[0] in ("gzip", "x-gzip", "deflate"):
+        decoder = zlib.decompressobj(47)  # 32 + 15: a gzip or zlib header, detected
+    elif encodings:
+        limit = min(limit, 0)  # an encoding we do not decode: keep nothing of it
+    out = bytearray()
+    raw = 0
+    raw_cap = max(limit, 1) * RAW_FACTOR
+    for chunk in response.iter_raw(65536):
+        raw += len(chunk)
+        if decoder is not None:
+            room = limit - len(out)
+            if room <= 0:
+                return bytes(out), True
+            try:
+                out += decoder.decompress(chunk, room)
+            except zlib.error:
+                return bytes(out), True
+            if decoder.unconsumed_tail:
+                return bytes(out), True
+        else:
+            out += chunk[: limit - len(out)]
+            if raw > limit:
+                return bytes(out), True
+        if len(out) >= limit or raw > raw_cap:
+            return bytes(out), True
+    return bytes(out), False

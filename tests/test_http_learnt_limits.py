@@ -1,0 +1,78 @@
+"""An API that announces its limit is obeyed even when our own policy is far too loose."""
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+
+from dispatcher.models import CallQueue, LearntLimit, RateLimit
+from tests.fakeapi import FakeAPI
+from tests.procs import wait_until
+
+LIMIT, PERIOD = 10, 2.0
+CALLS = 40
+
+
+def allowance(times: list[float]) -> int:
+    """Most requests the API allows between the first and last of these arrival times."""
+    return LIMIT * (math.floor((max(times) - min(times)) / PERIOD) + 1)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("announce", ["x-seconds", "x-epoch", "ietf"])
+def test_a_policy_far_too_loose_learns_the_limit_the_api_announces(procs, announce):
+    api = FakeAPI(enforce=(LIMIT, PERIOD), announce=announce).start()
+    try:
+        RateLimit.objects.set_policy("partner", LIMIT * 100, timedelta(seconds=PERIOD))  # 100x too loose
+        for n in range(CALLS):
+            CallQueue.objects.send("http", {"method": "GET", "url": f"{api.url}/ok", "headers": {"x-call": str(n)}},
+                                   keys=["partner"])
+        procs.worker(procs.queue, concurrency=4)
+        procs.dispenser()
+        finished = wait_until(lambda: not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists(), timeout=60)
+        assert finished, procs.logs()
+        assert CallQueue.objects.filter(status="done").count() == CALLS
+        times = api.times(lambda a: True)
+        first = min(times)
+        late = [t for t in api.rejected_at if t > first + PERIOD]
+        assert api.rejected_429 <= 5, f"{api.rejected_429} answers were 429"
+        assert late == [], f"429s after the first window at {[round(t - first, 2) for t in late]}"
+        served = CALLS
+        assert served / allowance(times) >= 0.7, f"{served} of {allowance(times)} allowed in {max(times) - first:.1f}s"
+        learnt = LearntLimit.objects.get(key="partner")
+        assert learnt.limit == LIMIT and learnt.period >= timedelta(seconds=PERIOD)
+        assert api.connections <= 8, f"{api.connections} connections for {CALLS} calls from 4 worker processes"
+    finally:
+        api.stop()
+
+
+@pytest.mark.postgres
+def test_an_api_that_only_says_retry_after_pauses_the_key_and_every_call_ends_done(procs):
+    api = FakeAPI(enforce=(LIMIT, PERIOD), announce="retry-after").start()
+    try:
+        RateLimit.objects.set_policy("partner", LIMIT * 100, timedelta(seconds=PERIOD))
+        for n in range(20):
+            CallQueue.objects.send("http", {"method": "GET", "url": f"{api.url}/ok", "headers": {"x-call": str(n)}},
+                                   keys=["partner"])
+        procs.worker(procs.queue, concurrency=4)
+        procs.dispenser()
+        assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 20, timeout=60), procs.logs()
+        assert not LearntLimit.objects.exists()
+    finally:
+        api.stop()
+
+
+@pytest.mark.postgres
+def test_the_threads_pool_shares_one_pooled_client(procs, fake_api):
+    import sys
+
+    for n in range(30):
+        CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/ok", "headers": {"x-call": str(n)}})
+    procs.start(
+        "worker", sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", procs.queue, "-P", "threads",
+        "-c", "4", "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", "threads@%h",
+    )
+    procs.dispenser()
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 30, timeout=60), procs.logs()
+    assert fake_api.connections <= 4, f"{fake_api.connections} connections for 30 calls from 4 threads"
