@@ -1,5 +1,6 @@
 """dispatcher: calls to rate-limited APIs as a durable, exactly paced stream."""
-from dispatcher.exceptions import InvalidCall, PermanentError, RateLimited
+from dispatcher.costs import report_cost
+from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, PermanentError, RateLimited
 from dispatcher.registry import handler
 
-__all__ = ["handler", "RateLimited", "PermanentError", "InvalidCall"]
+__all__ = ["handler", "RateLimited", "PermanentError", "InvalidCall", "InvalidCost", "CostNeverFits", "report_cost"]

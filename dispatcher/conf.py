@@ -87,13 +87,18 @@ class DispatcherSettings:
         "100ms", parse_duration,
         "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",
     )
+    ARRIVAL_GUARD = Setting(
+        "20ms", parse_duration,
+        "Spread between a call's recorded start and its arrival at the API that every policy absorbs "
+        "(a window counts over period + guard; a bucket holds back burst, or slows its rate).",
+    )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
     HTTP_ALLOWED_HOSTS = Setting("", _as_list, "Hosts the built-in http handler may call (Django ALLOWED_HOSTS syntax).")
     HTTP_SECRETS = Setting("", _as_list, "Settings/env names http headers may reference as {'secret': NAME}.")
     HTTP_TIMEOUT = Setting(30.0, _as_float, "Default timeout of the http handler, in seconds.")
     HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores.")
-    RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'concurrency'?}].")
+    RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'burst'?, 'concurrency'?}].")
     PRUNE_BATCH = Setting(1000, _as_int, "Rows prune_calls deletes per transaction.")
     RESCUE_BATCH = Setting(200, _as_int, "Calls the rescue sweep returns per transaction.")
     API_TOKENS = Setting("", _as_list, "Bearer tokens accepted by the HTTP enqueue/status API (comma-separated).")

@@ -196,7 +196,7 @@ class TokenBucket(Policy):
         return True
 
     def capacity(self) -> int:
-        return self.burst
+        return self.depth
 
     def tokens(self, reading: Reading, now: datetime) -> Fraction:
         """Return the tokens in the bucket at ``now`` (negative while it owes units)."""

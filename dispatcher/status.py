@@ -7,19 +7,18 @@ the answer is what a dispenser would decide at this instant, give or take a conc
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Sum
 from django.db.models.functions import TruncMinute
 
 from dispatcher import limiter
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, parse_key_set
+from dispatcher.policies import Policy as PolicyShape
 
 if TYPE_CHECKING:
     from dispatcher.models import CallQueue
@@ -27,25 +26,48 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PolicyUse:
-    """One policy of a key and how much of its current window is used."""
+    """One policy of a key and how much of it is used now (a window's units, a bucket's spent tokens)."""
 
-    policy_key: str
-    limit: int
-    period: timedelta
+    policy: PolicyShape
     used: int
-    concurrency: int | None
+    # Units that may start now, calls already dispatched counted.
+    room: int = 0
+
+    @property
+    def policy_key(self) -> str:
+        return self.policy.key
+
+    @property
+    def limit(self) -> int:
+        return self.policy.limit
+
+    @property
+    def period(self) -> timedelta:
+        return self.policy.period
+
+    @property
+    def concurrency(self) -> int | None:
+        return self.policy.concurrency
+
+    @property
+    def shape(self) -> str:
+        return self.policy.shape
+
+    @property
+    def capacity(self) -> int:
+        return self.policy.capacity()
 
     @property
     def utilisation(self) -> float:
-        return self.used / self.limit
+        return self.used / self.capacity
 
     @property
     def per_minute(self) -> float:
-        """The policy's limit expressed as starts per minute (its average rate)."""
-        return self.limit * 60 / self.period.total_seconds()
+        """The policy's sustained rate in units per minute."""
+        return self.policy.per_minute
 
     def label(self) -> str:
-        return f"{self.limit} per {format_duration(self.period)}"
+        return self.policy.label()
 
 
 @dataclass
@@ -94,19 +116,17 @@ class KeyStatus:
     def drain_time(self) -> timedelta | None:
         """Estimate how long the backlog takes to start at the current limits.
 
-        For each policy (L per P): the calls beyond the room left now need ceil(n / L) more
-        windows of P; the slowest policy and any pause decide. Concurrency is left out (how
-        long a call runs is not known in advance), so the estimate is a lower bound. None when
-        nothing waits; zero when the backlog fits the room there is now.
+        Each policy estimates its own drain (a window: whole windows beyond the room left now;
+        a bucket: one interval per unit beyond its tokens), counting a unit per waiting call;
+        the slowest policy and any pause decide. Concurrency is left out (how long a call runs
+        is not known in advance), so the estimate is a lower bound. None when nothing waits;
+        zero when the backlog fits the room there is now.
         """
         if self.waiting == 0:
             return None
         estimate = timedelta(0)
-        for policy in self.policies:
-            room_now = max(policy.limit - policy.used - self.reserved, 0)
-            beyond = self.waiting - room_now
-            if beyond > 0:
-                estimate = max(estimate, policy.period * math.ceil(beyond / policy.limit))
+        for use in self.policies:
+            estimate = max(estimate, use.policy.drain(use.room, self.waiting))
         if self.paused_until and self.paused_until > self.now:
             estimate += self.paused_until - self.now
         return estimate
@@ -119,9 +139,13 @@ class KeyStatus:
             "policies": [
                 {
                     "policy_key": p.policy_key,
+                    "shape": p.shape,
                     "limit": p.limit,
                     "period_seconds": p.period.total_seconds(),
+                    "burst": getattr(p.policy, "burst", None),
+                    "explain": p.policy.explain(),
                     "used": p.used,
+                    "capacity": p.capacity,
                     "utilisation": round(p.utilisation, 4),
                 }
                 for p in self.policies
@@ -219,15 +243,17 @@ def _key_state(key: str, states: dict[str, Any]) -> Any:
 
 def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies) -> KeyStatus:
     governing = policies.for_key(key)
-    counts = limiter._window_counts(key, governing, now) if governing else []
+    readings = limiter.read_policies({key: governing}, {key: state}, now)[key] if governing else []
     pattern_pause = policies.pattern_pause(key)
     pauses = [t for t in (state.paused_until, pattern_pause) if t is not None and t > now]
-    verdict = limiter.check_key(key, state, now, policies, for_start=False)
+    verdict = limiter.check_key(key, state, now, policies, for_start=False, readings=readings)
+    reserved_units = max(state.reserved_units or 0, 0)
     status = KeyStatus(
         key=key,
         now=now,
         policies=[
-            PolicyUse(p.key, p.limit, p.period, used, p.concurrency) for p, used in zip(governing, counts, strict=True)
+            PolicyUse(p, p.capacity() - p.room(r, now), max(p.room(r, now, reserved_units), 0))
+            for p, r in zip(governing, readings, strict=True)
         ],
         reserved=max(state.reserved, 0),
         running=max(state.running, 0),
@@ -301,7 +327,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     from dispatcher.models import KeyState
 
     now = now or db_now()
-    if call.status != "pending":
+    if call.status != call.Status.PENDING:
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
     policies = policies or limiter.Policies.load()
     reasons: list[WaitReason] = []
@@ -321,14 +347,16 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     keys = parse_key_set(call.key_set)
     states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
     for key in keys:
-        verdict = limiter.check_key(key, _key_state(key, states), now, policies, for_start=False)
+        verdict = limiter.check_key(
+            key, _key_state(key, states), now, policies, for_start=False, cost=call.cost_of(key)
+        )
         if not verdict.blocked:
             continue
-        if verdict.reason == "paused":
+        if verdict.kind == limiter.Hold.PAUSED:
             state = states.get(key)
             why = f" ({state.pause_reason})" if state and state.pause_reason else ""
             reasons.append(WaitReason("paused", f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
-        elif verdict.reason.startswith("concurrency"):
+        elif verdict.kind == limiter.Hold.CONCURRENCY:
             reasons.append(WaitReason(
                 "concurrency",
                 f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
@@ -348,7 +376,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:
-    """Return (minute, starts) for each of the last ``minutes`` minutes of a key, oldest first."""
+    """Return (minute, units started) for each of the last ``minutes`` minutes of a key, oldest first."""
     from dispatcher.models import KeyStart
 
     now = now or db_now()
@@ -359,7 +387,7 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
         for row in KeyStart.objects.filter(key=key, started_at__gte=start)
         .annotate(minute=TruncMinute("started_at"))
         .values("minute")
-        .annotate(n=Count("id"))
+        .annotate(n=Sum("units"))
         .order_by()
     }
     return [(start + timedelta(minutes=i), counts.get(start + timedelta(minutes=i), 0)) for i in range(minutes)]

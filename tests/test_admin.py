@@ -8,7 +8,8 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
 
@@ -142,9 +143,9 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
         expected = ["key api is paused (maintenance) until in 5 min"]
     elif reason == "rate":
         RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
-        KeyStart.objects.create(key="api", started_at=now - timedelta(seconds=30))
+        log_starts("api", [now - timedelta(seconds=30)])
         call = send()
-        expected = ["key api: 1 per 60s used; next slot frees in 30 s"]
+        expected = ["key api: 1 per 1m used; next slot frees in 30 s"]
     else:
         RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
         KeyState.objects.update_or_create(key="api", defaults={"running": 1})
@@ -249,8 +250,8 @@ def test_policy_list_shows_live_usage(operator):
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     RateLimit.objects.set_policy("tenant:*", 4, timedelta(minutes=1))
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=now - timedelta(seconds=s)) for s in (50, 20, 10)])
-    KeyStart.objects.create(key="tenant:9", started_at=now - timedelta(seconds=5))
+    log_starts("api", [now - timedelta(seconds=s) for s in (50, 20, 10)])
+    log_starts("tenant:9", [now - timedelta(seconds=5)])
     KeyState.objects.update_or_create(key="api", defaults={"running": 1})
     send(created_at=now - timedelta(minutes=3))
     send(keys=["tenant:9"])
@@ -329,7 +330,7 @@ def test_viewer_cannot_edit_or_pause_policies(viewer):
 def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=now - timedelta(minutes=2, seconds=s)) for s in range(7)])
+    log_starts("api", [now - timedelta(minutes=2, seconds=s) for s in range(7)])
     for _ in range(25):
         send()
     page = viewer.get(DASHBOARD).content.decode()
