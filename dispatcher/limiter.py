@@ -26,6 +26,7 @@ UNLIMITED = 10**9
 # The channel on which send(), finishes and policy edits wake long-running dispensers.
 WAKE_CHANNEL = "dispatcher_wake"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DURATION = models.DurationField()
 
 # A sliding window built from keyword arguments, as other sources of policies (learnt limits)
 # construct them: Policy(key=..., limit=..., period=...).
@@ -225,7 +226,7 @@ def read_policies(
         for policy in policies:
             if isinstance(policy, TokenBucket):
                 columns.append(f"(SELECT tat_us FROM {KeyBucket._meta.db_table} WHERE key = %s AND period = %s)")
-                params += [key, connection.ops.adapt_durationfield_value(policy.period)]
+                params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
             else:
                 columns.append(
                     f"(SELECT cum - units FROM {KeyStart._meta.db_table} WHERE key = %s AND started_at >= %s"

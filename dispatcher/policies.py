@@ -165,15 +165,25 @@ class TokenBucket(Policy):
 
     # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
     # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
-    # (n - B) T, what the API's bucket asks, once k T + (1 + k) e >= g. k comes out of the
-    # burst first (no cost in sustained rate); e (a slower rate) only for what k cannot cover.
+    # (n - B) T, what the API's bucket asks, once k T + (1 + k) e >= g. Whole intervals of the
+    # guard come out of the burst (k, no cost in sustained rate); the rest slows the rate (e),
+    # unless that would cost more than GUARD_RATE_SHARE of it and one more token can be held back.
+
+    GUARD_RATE_SHARE: ClassVar[Fraction] = Fraction(1, 20)
 
     @property
     def reserve(self) -> int:
         """Tokens of the burst held back by the guard."""
         if self.guard <= timedelta(0):
             return 0
-        return min(self.burst - 1, math.ceil(Fraction(_us(self.guard)) / self._interval_exact))
+        g, t = Fraction(_us(self.guard)), self._interval_exact
+        k = min(self.burst - 1, math.floor(g / t))
+        if k + 1 <= self.burst - 1 and self._extra(k) > self.GUARD_RATE_SHARE * t:
+            k += 1
+        return k
+
+    def _extra(self, k: int) -> Fraction:
+        return max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
 
     @property
     def _interval_exact(self) -> Fraction:
@@ -181,10 +191,8 @@ class TokenBucket(Policy):
 
     @property
     def interval(self) -> Fraction:
-        """Microseconds per unit as applied: the API's interval, lengthened by what the burst cannot absorb."""
-        k = self.reserve
-        extra = max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
-        return self._interval_exact + extra
+        """Microseconds per unit as applied: the API's interval, lengthened by what the burst does not absorb."""
+        return self._interval_exact + self._extra(self.reserve)
 
     @property
     def depth(self) -> int:

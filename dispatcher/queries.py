@@ -782,6 +782,45 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.adjust(keys, running=-1)
         return True
 
+    def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
+        """Correct the keys' usage to what a started call really cost; return the change per key.
+
+        The call's rows in the start log take the reported units (and every later running
+        total of the key moves with them); its buckets are charged or refunded the difference.
+        """
+        from dispatcher.models import KeyBucket, KeyStart, KeyState
+
+        keys = parse_key_set(call.key_set)
+        if isinstance(reported, Mapping):
+            actual = {key: int(reported.get(key, call.cost_of(key))) for key in keys}
+        else:
+            actual = dict.fromkeys(keys, int(reported))
+        deltas = {key: actual[key] - call.cost_of(key) for key in keys if actual[key] != call.cost_of(key)}
+        if not deltas or call.started_at is None:
+            return {}
+        with transaction.atomic(using=self.db):
+            limiter.lock_keys(keys)
+            policies = limiter.Policies.load()
+            now = db_now()
+            for key, delta in deltas.items():
+                start = KeyStart.objects.filter(key=key, started_at=call.started_at).order_by("cum").first()
+                if start is not None:
+                    KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                    KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
+                KeyState.objects.filter(key=key).update(total=F("total") + delta)
+                for policy in policies.for_key(key):
+                    if not isinstance(policy, limiter.TokenBucket):
+                        continue
+                    bucket = KeyBucket.objects.filter(key=key, period=policy.period).first()
+                    tat = policy.refund(limiter.from_us(bucket.tat_us) if bucket else None, now, -delta)
+                    if tat is not None:
+                        KeyBucket.objects.update_or_create(
+                            key=key, period=policy.period, defaults={"tat_us": limiter.to_us(tat)}
+                        )
+            if any(delta < 0 for delta in deltas.values()):
+                limiter.wake_dispensers()
+        return deltas
+
     # --- rescue --------------------------------------------------------------------------
 
     def rescue(self, batch: int | None = None) -> RescueReport:

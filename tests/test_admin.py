@@ -228,6 +228,8 @@ def test_a_policy_is_created_with_a_written_period(operator):
         ({"period": "soon"}, "not a duration"),
         ({"period": ""}, "This field is required"),
         ({"concurrency": "0"}, "greater than or equal to 1"),
+        ({"burst": "0"}, "greater than or equal to 1"),
+        ({"burst": "2", "limit": "20000000", "period": "1s"}, "microsecond"),
         ({"key": "a*b"}, "may only end a pattern"),
         ({"key": ""}, "This field is required"),
     ],
@@ -237,6 +239,14 @@ def test_bad_policies_are_refused_with_a_message(operator, overrides, message):
     assert response.status_code == 200
     assert message in response.content.decode()
     assert not RateLimit.objects.exists()
+
+
+def test_a_bucket_is_created_with_its_burst_and_listed_as_one(operator):
+    response = operator.post(f"{LIMITS}add/", policy_form(limit="2", period="1s", burst="40"))
+    assert response.status_code == 302
+    assert RateLimit.objects.get().burst == 40
+    rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
+    assert rows["api"][1:3] == ["2 per 1s, burst 40", "0/40"]
 
 
 def test_a_second_policy_with_the_same_key_and_period_is_refused(operator):

@@ -253,9 +253,12 @@ def test_the_guards_cost_in_throughput_is_what_the_docs_state():
     # A smooth rate of 5 per second with a 20 ms guard: one start every 220 ms (91%).
     smooth = TokenBucket("k", 5, timedelta(seconds=1), burst=1, guard=timedelta(milliseconds=20))
     assert smooth.interval == 220_000 and smooth.depth == 1
-    # A deep bucket pays from its burst, not its rate: 40 deep at 2 per second keeps 2 per second.
+    # A slow bucket pays a little rate (4%) and keeps its whole burst: 40 deep at 2 per second.
     shopify = TokenBucket("k", 2, timedelta(seconds=1), burst=40, guard=timedelta(milliseconds=20))
-    assert shopify.interval == 500_000 and shopify.depth == 39
+    assert shopify.interval == 520_000 and shopify.depth == 40
+    # A fast deep bucket pays from its burst, not its rate: 100 per second, 100 deep.
+    stripe = TokenBucket("k", 100, timedelta(seconds=1), burst=100, guard=timedelta(milliseconds=20))
+    assert stripe.interval == 10_000 and stripe.depth == 98
     window = SlidingWindow("k", 10, timedelta(seconds=2), guard=timedelta(milliseconds=20))
     assert window.span == timedelta(seconds=2, milliseconds=20)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dispatcher import PermanentError, handler
+from dispatcher import PermanentError, handler, report_cost
 
 
 def _check_greeting(params: dict[str, Any]) -> None:
@@ -26,3 +26,11 @@ def explode(permanent: bool = False, **params: Any) -> None:
     if permanent:
         raise PermanentError("cannot be done")
     raise RuntimeError("boom")
+
+
+@handler("complete", keys=["llm"], cost=lambda params: params.get("max_tokens", 1))
+def complete(max_tokens: int = 1, used: int | None = None, **params: Any) -> dict[str, int]:
+    """An LLM-style call: charged its max_tokens up front, then reports the tokens it used."""
+    if used is not None:
+        report_cost(used)
+    return {"used": used if used is not None else max_tokens}
