@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -31,6 +32,8 @@ PENDING, DISPATCHED, RUNNING = "pending", "dispatched", "running"
 DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
 INT32_MAX = 2**31 - 1
 MAX_ERROR_CHARS = 10_000
+# How long a start may wait for its slot while holding its keys' locks (see start()).
+HOLD_FOR_SLOT = timedelta(milliseconds=30)
 
 SEND_ARGUMENTS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue", "cost"}
 
@@ -544,6 +547,17 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 # the window filled, a policy tightened or a pause began.
                 assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
                 verdict = limiter.combine(list(assessment.verdicts.values()))
+                if (
+                    verdict.blocked and verdict.until is not None
+                    and verdict.until - now <= min(may_wait, HOLD_FOR_SLOT)
+                ):
+                    # The slot frees within a few milliseconds: wait for it holding the key locks,
+                    # which no other start of these keys could use before then anyway, so the
+                    # start lands on its slot rather than a worker's round trip after it.
+                    time.sleep((verdict.until - now).total_seconds())
+                    now = db_now()
+                    assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                    verdict = limiter.combine(list(assessment.verdicts.values()))
                 if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
                     return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
                 if verdict.blocked:
