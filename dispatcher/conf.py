@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -62,6 +63,13 @@ class Setting:
         return self.parse(value)
 
 
+def _non_negative_duration(value: Any) -> timedelta:
+    duration = parse_duration(value)
+    if duration < timedelta(0):
+        raise ValueError(f"duration cannot be negative: {value!r}")
+    return duration
+
+
 class DispatcherSettings:
     """Every setting the dispatcher reads, with its default."""
 
@@ -88,7 +96,7 @@ class DispatcherSettings:
         "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",
     )
     ARRIVAL_GUARD = Setting(
-        "20ms", parse_duration,
+        "20ms", _non_negative_duration,
         "Spread between a call's recorded start and its arrival at the API that every policy absorbs "
         "(a window counts over period + guard; a bucket holds back burst, or slows its rate).",
     )
