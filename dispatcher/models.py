@@ -10,24 +10,13 @@ from django.db.models.functions import Now
 from dispatcher.limiter import RateLimitManager
 from dispatcher.policies import Policy, make_policy
 from dispatcher.queries import CallQueueManager
+from dispatcher.states import CallStatus
 
 
 class CallQueue(models.Model):
     """One call to a third-party API, from send() to done, failed or cancelled."""
 
-    class Status(models.TextChoices):
-        # Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429.
-        PENDING = "pending", "Pending"
-        # Claimed by a dispenser and published to Celery; not yet started by a worker.
-        DISPATCHED = "dispatched", "Dispatched"
-        # A worker is running the handler.
-        RUNNING = "running", "Running"
-        # The handler returned; the result is stored.
-        DONE = "done", "Done"
-        # Gave up: a permanent error, or max_attempts spent.
-        FAILED = "failed", "Failed"
-        # Cancelled before it ran.
-        CANCELLED = "cancelled", "Cancelled"
+    Status = CallStatus
 
     WAITING = (Status.PENDING,)
     IN_FLIGHT = (Status.DISPATCHED, Status.RUNNING)

@@ -22,14 +22,16 @@ from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, parse_key_set, resolve_keys
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
+from dispatcher.states import CallStatus as Status
 
 if TYPE_CHECKING:
     from dispatcher.models import Attempt, CallQueue
 
 log = logging.getLogger("dispatcher")
 
-PENDING, DISPATCHED, RUNNING = "pending", "dispatched", "running"
-DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
+# Plain strings (the values of CallQueue.Status): raw SQL parameters must not be enum members.
+PENDING, DISPATCHED, RUNNING = Status.PENDING.value, Status.DISPATCHED.value, Status.RUNNING.value
+DONE, FAILED, CANCELLED = Status.DONE.value, Status.FAILED.value, Status.CANCELLED.value
 INT32_MAX = 2**31 - 1
 MAX_ERROR_CHARS = 10_000
 # How long a start may wait for its slot while holding its keys' locks (see start()).

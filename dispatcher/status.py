@@ -7,6 +7,7 @@ the answer is what a dispenser would decide at this instant, give or take a conc
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -166,11 +167,22 @@ class KeyStatus:
         }
 
 
+class WaitKind(enum.StrEnum):
+    """What holds a waiting call back."""
+
+    RUN_AT = "run_at"
+    BACKOFF = "backoff"
+    DEFERRED = "deferred"
+    PAUSED = "paused"
+    RATE = "rate"
+    CONCURRENCY = "concurrency"
+
+
 @dataclass(frozen=True)
 class WaitReason:
     """One thing that holds a call back."""
 
-    kind: str  # "run_at", "backoff", "deferred", "paused", "rate", "concurrency"
+    kind: WaitKind
     text: str
     until: datetime | None = None
     key: str = ""
@@ -324,7 +336,7 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
 
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
-    from dispatcher.models import KeyState
+    from dispatcher.models import Attempt, KeyState
 
     now = now or db_now()
     if call.status != call.Status.PENDING:
@@ -334,16 +346,16 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     if call.run_at and call.run_at > now:
         when = humanize(call.run_at, now)
         last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
-        if last == "rate_limited":
-            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try {when}", call.run_at))
+        if last == Attempt.Outcome.RATE_LIMITED:
+            reasons.append(WaitReason(WaitKind.DEFERRED, f"deferred by a 429 (rate limited downstream); next try {when}", call.run_at))
         elif last is not None:
             reasons.append(WaitReason(
-                "backoff",
+                WaitKind.BACKOFF,
                 f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try {when}",
                 call.run_at,
             ))
         else:
-            reasons.append(WaitReason("run_at", f"scheduled: run_at is {when}", call.run_at))
+            reasons.append(WaitReason(WaitKind.RUN_AT, f"scheduled: run_at is {when}", call.run_at))
     keys = parse_key_set(call.key_set)
     states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
     for key in keys:
@@ -355,17 +367,17 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
         if verdict.kind == limiter.Hold.PAUSED:
             state = states.get(key)
             why = f" ({state.pause_reason})" if state and state.pause_reason else ""
-            reasons.append(WaitReason("paused", f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
+            reasons.append(WaitReason(WaitKind.PAUSED, f"key {key} is paused{why} until {humanize(verdict.until, now)}", verdict.until, key))
         elif verdict.kind == limiter.Hold.CONCURRENCY:
             reasons.append(WaitReason(
-                "concurrency",
+                WaitKind.CONCURRENCY,
                 f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
                 None,
                 key,
             ))
         else:
             frees = humanize(verdict.until, now) if verdict.until else "when calls already dispatched start"
-            reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
+            reasons.append(WaitReason(WaitKind.RATE, f"key {key}: {verdict.reason}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
     elif any(r.until is None for r in reasons):

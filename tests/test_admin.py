@@ -123,6 +123,13 @@ def test_detail_shows_redacted_params_result_error_traceback_and_attempts(operat
     assert 'name="_save"' not in page  # read-only: no save button
 
 
+def test_detail_shows_the_calls_cost(viewer):
+    costly = CallQueue.objects.send("noop", {}, keys=["api", "tenant:1"], cost={"api": 5})
+    plain = CallQueue.objects.send("noop", {}, keys=["api"])
+    assert "api: 5, tenant:1: 1" in viewer.get(f"{CALLS}{costly.id}/change/").content.decode()
+    assert "1 unit per key" in viewer.get(f"{CALLS}{plain.id}/change/").content.decode()
+
+
 @pytest.mark.parametrize("reason", ["run_at", "backoff", "deferred", "paused", "rate", "concurrency"])
 def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
     now = db_now()
