@@ -397,14 +397,16 @@ def start_record(
     return record
 
 
-def record_starts(at: datetime, record: StartRecord) -> None:
+def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:
     """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
     from dispatcher.models import KeyBucket, KeyStart
 
-    KeyStart.objects.bulk_create([KeyStart(key=k, started_at=at, units=u, cum=c) for k, u, c in record.log])
+    KeyStart.objects.bulk_create(
+        [KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
+    )
     if record.buckets:
         KeyBucket.objects.bulk_create(
-            [KeyBucket(key=k, period=p, tat_us=t) for k, p, t in record.buckets],
+            [KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
             update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
         )
 

@@ -201,6 +201,8 @@ class KeyStart(models.Model):
     started_at = models.DateTimeField()
     units = models.IntegerField(default=1)
     cum = models.BigIntegerField(default=0, help_text="The key's running total of units, this start included.")
+    # No foreign key: the log outlives pruned calls; it only finds a start again to correct its cost.
+    call_id = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatcher_keystart"
@@ -219,6 +221,7 @@ class KeyBucket(models.Model):
     key = models.CharField(max_length=200)
     period = models.DurationField(help_text="The period of the bucket's policy.")
     tat_us = models.BigIntegerField(help_text="When the bucket is full again, microseconds since the epoch.")
+    since = models.DateTimeField(help_text="The first start this state counts; a cost correction of an earlier start leaves it.")
 
     class Meta:
         db_table = "dispatcher_keybucket"

@@ -599,7 +599,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         attempt = Attempt.objects.create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
-        limiter.record_starts(now, record)
+        limiter.record_starts(now, record, call_id)
         limiter.adjust(
             keys, reserved=-1, running=1, units={key: units for key, units, _ in record.log},
             totals={key: cum for key, _, cum in record.log},
@@ -626,13 +626,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
                 RETURNING id, number
             ), start_log AS (
-                INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum)
-                SELECT log.key, %(now)s, log.units, log.cum
+                INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum, call_id)
+                SELECT log.key, %(now)s, log.units, log.cum, started.id
                 FROM started, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[])
                     AS log(key, units, cum)
             ), buckets AS (
-                INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us)
-                SELECT b.key, b.period, b.tat_us
+                INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us, since)
+                SELECT b.key, b.period, b.tat_us, %(now)s
                 FROM started, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
                     AS b(key, period, tat_us)
                 ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
@@ -819,7 +819,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             policies = limiter.Policies.load()
             now = db_now()
             for key, delta in deltas.items():
-                start = KeyStart.objects.filter(key=key, started_at=call.started_at).order_by("cum").first()
+                start = KeyStart.objects.filter(key=key, started_at=call.started_at, call_id=call.id).first()
                 if start is not None:
                     KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
                     KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
@@ -828,11 +828,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     if not isinstance(policy, limiter.TokenBucket):
                         continue
                     bucket = KeyBucket.objects.filter(key=key, period=policy.period).first()
-                    tat = policy.refund(limiter.from_us(bucket.tat_us) if bucket else None, now, -delta)
+                    if bucket is None or bucket.since > call.started_at:
+                        # This bucket (new, or a new shape) never charged the start: nothing to
+                        # give back, and an extra charge would count a start it did not see.
+                        continue
+                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
                     if tat is not None:
-                        KeyBucket.objects.update_or_create(
-                            key=key, period=policy.period, defaults={"tat_us": limiter.to_us(tat)}
-                        )
+                        KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
                 limiter.wake_dispensers()
         return deltas

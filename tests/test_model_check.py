@@ -69,8 +69,9 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             # Per key: [start time, units, call id] of every start, as the model saw it.
             self.starts: dict[str, list[list]] = {k: [] for k in KEYS}
             self.finished: dict[int, str] = {}
-            # When the policies were last edited: a bucket's promise runs from there.
-            self.edited_at = clock.now
+            # How many starts each key had when the policies were last edited: a bucket's promise
+            # runs from there (by position: starts at one instant may come before and after an edit).
+            self.edited_at = dict.fromkeys(KEYS, 0)
 
         @initialize()
         def some_policies(self) -> None:
@@ -135,7 +136,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         def check_bucket(self, key: str, policy: TokenBucket) -> None:
             """Every run of starts since the last edit fits the burst plus what refilled meanwhile."""
-            starts = [(t, u) for t, u, _ in self.starts[key] if t >= self.edited_at]
+            starts = [(t, u) for t, u, _ in self.starts[key][self.edited_at[key]:]]
             rate = Fraction(policy.limit, policy.period // timedelta(microseconds=1))
             for i in range(len(starts)):
                 units = 0
@@ -143,6 +144,15 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
                     units += starts[j][1]
                     refilled = rate * ((starts[j][0] - starts[i][0]) // timedelta(microseconds=1))
                     assert units <= policy.burst + refilled, f"{key}: {units} units beyond {policy.explain()}"
+
+        @rule(which=st.integers(0, len(KEY_SETS) - 1), cost=st.sampled_from([None, 2]))
+        def rush(self, which: int, cost: int | None) -> None:
+            """Calls sent, claimed and all started at one instant, twice: a greedy client."""
+            self.send(which, 4, 0, cost)
+            for _ in range(2):
+                self.dispense(6)
+                while self.messages:
+                    self.deliver(0, False)
 
         @precondition(lambda self: self.messages)
         @rule(index=st.integers(0, 50))
@@ -183,12 +193,12 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
               burst=st.sampled_from([None, None, 1, 2, 4]))
         def set_policy(self, key: str, limit: int, period: int, concurrency: int | None, burst: int | None) -> None:
             RateLimit.objects.set_policy(key, limit, timedelta(seconds=period), concurrency, burst=burst)
-            self.edited_at = clock.now
+            self.edited_at = {k: len(starts) for k, starts in self.starts.items()}
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]))
         def delete_policy(self, key: str) -> None:
             RateLimit.objects.filter(key=key).delete()
-            self.edited_at = clock.now
+            self.edited_at = {k: len(starts) for k, starts in self.starts.items()}
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:2"]), seconds=st.sampled_from([1, 3]))
         def pause(self, key: str, seconds: int) -> None:

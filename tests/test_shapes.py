@@ -179,3 +179,19 @@ def test_send_many_takes_a_cost_per_call():
     ])
     assert [c.cost for c in calls] == [{"greeter": 2, "greeter:a": 2}, None]
     assert [c.cost for c in CallQueue.objects.order_by("id")] == [{"greeter": 2, "greeter:a": 2}, None]
+
+
+def test_a_refund_never_gives_a_new_bucket_units_it_did_not_charge(settings):
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1))
+    first = CallQueue.objects.send("complete", {"max_tokens": 5})
+    run_all(claim_all(first.key_set).calls)
+    # The operator learns the API is a bucket: the new shape starts afresh and is then emptied.
+    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1), burst=10)
+    second = CallQueue.objects.send("complete", {"max_tokens": 10})
+    assert run_all(claim_all(second.key_set).calls) == ["done"]
+    CallQueue.objects.correct_cost(CallQueue.objects.get(pk=first.pk), 0)
+    # The first call's 5 units were never taken from this bucket: none come back.
+    third = CallQueue.objects.send("complete", {"max_tokens": 1})
+    assert claim_all(third.key_set).calls == []
+    assert KeyStart.objects.get(call_id=first.id).units == 0

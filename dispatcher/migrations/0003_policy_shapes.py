@@ -37,6 +37,7 @@ class Migration(migrations.Migration):
                 ('key', models.CharField(max_length=200)),
                 ('period', models.DurationField(help_text="The period of the bucket's policy.")),
                 ('tat_us', models.BigIntegerField(help_text='When the bucket is full again, microseconds since the epoch.')),
+                ('since', models.DateTimeField(help_text='The first start this state counts; a cost correction of an earlier start leaves it.')),
             ],
             options={
                 'db_table': 'dispatcher_keybucket',
@@ -51,6 +52,11 @@ class Migration(migrations.Migration):
             model_name='keystart',
             name='cum',
             field=models.BigIntegerField(default=0, help_text="The key's running total of units, this start included."),
+        ),
+        migrations.AddField(
+            model_name='keystart',
+            name='call_id',
+            field=models.BigIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
             model_name='keystart',
