@@ -7,7 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-TABLES = "dispatcher_attempt, dispatcher_call, dispatcher_keystate, dispatcher_keystart, dispatcher_ratelimit"
+TABLES = (
+    "dispatcher_attempt, dispatcher_call, dispatcher_keystate, dispatcher_keystart, dispatcher_ratelimit,"
+    " dispatcher_keybucket"
+)
 
 
 @dataclass

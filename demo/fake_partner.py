@@ -52,6 +52,26 @@ class Partner:
     max_in_flight: int = 0
     # (arrival time, tenant, status) for every request, 429s included.
     arrivals: list[tuple[float, str, int]] = field(default_factory=list)
+    # The bucket-shaped API under /v2/: `bucket_rate` tokens per second up to `bucket_burst`.
+    bucket_rate: float = 4.0
+    bucket_burst: int = 12
+    tokens: float | None = None
+    tokens_at: float = 0.0
+    bucket_arrivals: list[tuple[float, int]] = field(default_factory=list)
+
+    def admit_bucket(self, now: float) -> float | None:
+        """Take a token of the /v2/ bucket; return None if served, else the seconds to wait (a 429)."""
+        with self.lock:
+            if self.tokens is None:
+                self.tokens = float(self.bucket_burst)
+            self.tokens = min(self.bucket_burst, self.tokens + (now - self.tokens_at) * self.bucket_rate)
+            self.tokens_at = now
+            if self.tokens < 1:
+                self.bucket_arrivals.append((now, 429))
+                return max(0.05, (1 - self.tokens) / self.bucket_rate)
+            self.tokens -= 1
+            self.bucket_arrivals.append((now, 200))
+            return None
 
     def admit(self, tenant: str, now: float) -> float | None:
         """Count a request in; return None if served, else the seconds to wait (a 429)."""
@@ -117,6 +137,8 @@ class Partner:
                 "arrivals": list(self.arrivals),
                 "max_in_flight": self.max_in_flight,
                 "in_flight": self.in_flight,
+                "bucket": {"rate": self.bucket_rate, "burst": self.bucket_burst},
+                "bucket_arrivals": list(self.bucket_arrivals),
             }
 
 
@@ -160,6 +182,11 @@ def make_server(partner: Partner, port: int = 0) -> ThreadingHTTPServer:
 
         def _serve(self) -> None:
             self._body()
+            if self.path.startswith("/v2/"):
+                wait = partner.admit_bucket(time.time())
+                if wait is not None:
+                    return self._answer(429, {"error": "bucket empty"}, {"Retry-After": f"{wait:.3f}"})
+                return self._answer(200, {"ok": True, "path": self.path})
             tenant = self.headers.get("x-tenant", "")
             wait = partner.admit(tenant, time.time())
             if wait is not None:
@@ -185,8 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per", type=float, default=2.0, help="period in seconds")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--tenant-limit", type=int, default=6)
+    parser.add_argument("--bucket-rate", type=float, default=4.0, help="/v2/: tokens per second")
+    parser.add_argument("--bucket-burst", type=int, default=12, help="/v2/: bucket depth")
     args = parser.parse_args(argv)
-    partner = Partner(Limits(args.limit, args.per, args.concurrency, args.tenant_limit))
+    partner = Partner(
+        Limits(args.limit, args.per, args.concurrency, args.tenant_limit),
+        bucket_rate=args.bucket_rate, bucket_burst=args.bucket_burst,
+    )
     server = make_server(partner, args.port)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

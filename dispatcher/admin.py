@@ -182,7 +182,8 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
     show_full_result_count = False
     actions = ["retry_now", "cancel"]
     fields = [
-        "method", "state_label", "why_waiting", "keys_label", "priority", "queue", "attempts_label", "deferrals",
+        "method", "state_label", "why_waiting", "keys_label", "cost_label", "priority", "queue", "attempts_label",
+        "deferrals",
         "run_at_shown", "created_at_shown", "dispatched_at_shown", "started_at_shown", "finished_at_shown",
         "params_shown", "result_shown", "error_shown", "traceback_shown", "attempt_history",
     ]
@@ -266,6 +267,12 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         extra_context = {**(extra_context or {}), "show_save": False, "show_save_and_continue": False,
                          "show_save_and_add_another": False, "show_delete": False}
         return super().changeform_view(request, object_id, form_url, extra_context)
+
+    @admin.display(description="cost")
+    def cost_label(self, call: CallQueue) -> str:
+        if not call.cost:
+            return "1 unit per key"
+        return ", ".join(f"{key}: {units}" for key, units in call.cost.items())
 
     @admin.display(description="state", ordering="status")
     def state_label(self, call: CallQueue) -> str:
@@ -489,13 +496,28 @@ _page = threading.local()
 
 
 class RateLimitForm(forms.ModelForm):
-    period = DurationTextField(help_text="Length of the window: 500ms, 2s, 5m, 1h, 1d.")
-    limit = forms.IntegerField(min_value=1, help_text="Most calls that may start in any window of one period.")
+    period = DurationTextField(help_text="Length of the window (or a bucket's refill of LIMIT units): 500ms, 2s, 5m, 1h, 1d.")
+    limit = forms.IntegerField(min_value=1, help_text="Units that may start per period.")
+    burst = forms.IntegerField(
+        min_value=1, required=False,
+        help_text="Empty: a sliding window. Set: a token bucket this deep refilling at LIMIT per period (1: evenly spaced).",
+    )
     concurrency = forms.IntegerField(min_value=1, required=False, help_text="Most calls in flight at once (empty: no cap).")
 
     class Meta:
         model = RateLimit
-        fields = ["key", "limit", "period", "concurrency"]
+        fields = ["key", "limit", "period", "burst", "concurrency"]
+
+    def clean(self) -> dict[str, Any]:
+        from dispatcher.policies import PolicyError, validate
+
+        data = super().clean()
+        if data.get("limit") is not None and data.get("period") is not None:
+            try:
+                validate(data["limit"], data["period"], data.get("burst"), data.get("concurrency"))
+            except PolicyError as exc:
+                raise forms.ValidationError(str(exc)) from None
+        return data
 
     def clean_key(self) -> str:
         try:
@@ -561,14 +583,12 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
         from django.db import transaction
 
-        from dispatcher.limiter import lock_keys, wake_dispensers
-
         with transaction.atomic():
-            if not is_pattern(obj.key):
-                # Like RateLimitManager.set_policy: serialise with starts of the key.
-                lock_keys([obj.key])
-            super().save_model(request, obj, form, change)
-            wake_dispensers()
+            if change:
+                # A new key or period is a new policy: set_policy upserts by (key, period).
+                RateLimit.objects.filter(pk=obj.pk).exclude(key=obj.key, period=obj.period).delete()
+            saved = RateLimit.objects.set_policy(obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst)
+        obj.pk = saved.pk
 
     def _statuses(self, policy: RateLimit) -> list[live.KeyStatus]:
         statuses = getattr(_page, "statuses", {})
@@ -581,16 +601,16 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
 
     @admin.display(description="policy")
     def policy_label(self, policy: RateLimit) -> str:
-        return f"{policy.limit} per {format_duration(policy.period)}"
+        return policy.as_policy().label()
 
-    @admin.display(description="used in window")
+    @admin.display(description="used now")
     def usage(self, policy: RateLimit) -> str:
         statuses = self._statuses(policy)
         uses = [(s.key, u) for s in statuses if (u := self._use(s, policy))]
         if not uses:
-            return f"0/{policy.limit}"
+            return f"0/{policy.as_policy().capacity()}"
         key, busiest = max(uses, key=lambda item: item[1].used)
-        text = f"{busiest.used}/{policy.limit}"
+        text = f"{busiest.used}/{busiest.capacity}"
         return f"{text} (busiest: {key})" if is_pattern(policy.key) else text
 
     @admin.display(description="in flight")

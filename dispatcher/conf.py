@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -62,6 +63,13 @@ class Setting:
         return self.parse(value)
 
 
+def _non_negative_duration(value: Any) -> timedelta:
+    duration = parse_duration(value)
+    if duration < timedelta(0):
+        raise ValueError(f"duration cannot be negative: {value!r}")
+    return duration
+
+
 class DispatcherSettings:
     """Every setting the dispatcher reads, with its default."""
 
@@ -89,7 +97,12 @@ class DispatcherSettings:
     )
     HEARTBEAT_TIMEOUT = Setting(
         "1m", parse_duration,
-        "A dispenser or worker silent for this long is reported as not running (heartbeats every quarter of it).",
+        "A dispenser or worker silent for this long is reported as not running (heartbeats every quarter of it)."
+    )
+    ARRIVAL_GUARD = Setting(
+        "20ms", _non_negative_duration,
+        "Spread between a call's recorded start and its arrival at the API that every policy absorbs "
+        "(a window counts over period + guard; a bucket holds back burst, or slows its rate).",
     )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
@@ -108,7 +121,7 @@ class DispatcherSettings:
     )
     MAX_PAUSE = Setting("1h", parse_duration, "Longest a downstream's 429, Retry-After or rate-limit header may pause a key.")
     LEARNT_LIMIT_TTL = Setting("1h", parse_duration, "How long a limit learnt from an API's headers lasts unless repeated.")
-    RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'concurrency'?}].")
+    RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'burst'?, 'concurrency'?}].")
     PRUNE_BATCH = Setting(1000, _as_int, "Rows prune_calls deletes per transaction.")
     RESCUE_BATCH = Setting(200, _as_int, "Calls the rescue sweep returns per transaction.")
     API_TOKENS = Setting("", _as_list, "Bearer tokens accepted by the HTTP enqueue/status API (comma-separated).")

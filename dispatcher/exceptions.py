@@ -18,6 +18,14 @@ class InvalidKey(InvalidCall):
     """A rate-limit key is empty, too long, or cannot be formatted from the params."""
 
 
+class InvalidCost(InvalidCall):
+    """A call's cost is not a whole number of units of at least 1, or names a key the call lacks."""
+
+
+class CostNeverFits(InvalidCost):
+    """A call's cost is larger than one of its policies could ever admit (its limit or burst)."""
+
+
 class PermanentError(Exception):
     """Raised by a handler for a failure that a retry cannot fix; the call fails at once."""
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # The columns the INSERTs write; the others are left NULL.
 _COLUMNS = (
     "method, params, keys, key_set, priority, queue, max_attempts, run_at, status,"
-    " attempts, deferrals, dispatch_no, last_error, last_traceback"
+    " attempts, deferrals, dispatch_no, last_error, last_traceback, cost"
 )
 # The fields a new call starts with besides what send() sets: what the INSERTs write, or NULL.
 _START = {
@@ -40,6 +40,8 @@ class NewCall(NamedTuple):
     queue: str
     max_attempts: int
     run_at: datetime | None
+    # Units per key when any differs from 1; None: 1 unit on every key.
+    cost: dict[str, int] | None = None
 
     def fields(self, status: str) -> dict[str, Any]:
         """Return the model fields the call sets (run_at only if given: the database fills it)."""
@@ -49,6 +51,8 @@ class NewCall(NamedTuple):
         }
         if self.run_at is not None:
             fields["run_at"] = self.run_at
+        if self.cost is not None:
+            fields["cost"] = self.cost
         return fields
 
 
@@ -59,12 +63,12 @@ def insert_one(model: type[CallQueue], db: str, connection: BaseDatabaseWrapper,
     sql = f"""
         INSERT INTO {model._meta.db_table} ({_COLUMNS})
         VALUES (%s, %s::jsonb, %s::jsonb, %s, %s, %s, %s, COALESCE(%s::timestamptz, STATEMENT_TIMESTAMP()), %s,
-                0, 0, 0, '', '')
+                0, 0, 0, '', '', %s::jsonb)
         RETURNING id, (EXTRACT(EPOCH FROM created_at) * 1000000)::bigint
     """
     params = [
         call.method, call.params_json, _compact_json.encode(call.keys), call.key_set, call.priority, call.queue,
-        call.max_attempts, call.run_at, status,
+        call.max_attempts, call.run_at, status, None if call.cost is None else _compact_json.encode(call.cost),
     ]
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -83,12 +87,12 @@ def insert_many(
     sql = f"""
         INSERT INTO {model._meta.db_table} ({_COLUMNS})
         SELECT c.method, c.params, c.keys, c.key_set, c.priority, c.queue, c.max_attempts,
-               COALESCE(c.run_at, STATEMENT_TIMESTAMP()), %s, 0, 0, 0, '', ''
+               COALESCE(c.run_at, STATEMENT_TIMESTAMP()), %s, 0, 0, 0, '', '', c.cost
         FROM ROWS FROM (
             json_to_recordset(%s::json) AS (method text, keys jsonb, key_set text, priority int, queue text,
-                                             max_attempts int, run_at timestamptz),
+                                             max_attempts int, run_at timestamptz, cost jsonb),
             jsonb_array_elements(%s::jsonb)
-        ) WITH ORDINALITY AS c(method, keys, key_set, priority, queue, max_attempts, run_at, params, ord)
+        ) WITH ORDINALITY AS c(method, keys, key_set, priority, queue, max_attempts, run_at, cost, params, ord)
         ORDER BY c.ord
         RETURNING id, (EXTRACT(EPOCH FROM created_at) * 1000000)::bigint
     """
@@ -96,7 +100,7 @@ def insert_many(
         {
             "method": call.method, "keys": call.keys, "key_set": call.key_set, "priority": call.priority,
             "queue": call.queue, "max_attempts": call.max_attempts,
-            "run_at": None if call.run_at is None else call.run_at.isoformat(),
+            "run_at": None if call.run_at is None else call.run_at.isoformat(), "cost": call.cost,
         }
         for call in calls
     ])
@@ -120,7 +124,7 @@ def _fresh_instance(
     values = {
         **_START, "id": pk, "method": call.method, "params": call.params, "keys": call.keys,
         "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "status": status,
-        "run_at": run_at, "max_attempts": call.max_attempts, "created_at": created_at,
+        "run_at": run_at, "max_attempts": call.max_attempts, "created_at": created_at, "cost": call.cost,
     }
     names = _attnames(model)
     return model.from_db(db, names, [values[name] for name in names])

@@ -1,55 +1,62 @@
-"""The limiter: policies per key, per-key locks and counters, and the sliding-window log.
+"""The limiter: policies per key, per-key locks and counters, the start log and bucket state.
 
 Every check happens inside the caller's transaction after ``lock_keys`` has locked the
 ``KeyState`` rows of all the call's keys (sorted, so two lockers never deadlock), and reads
-the database clock after that lock wait. A policy (L per P) admits a start at time t only if
-fewer than L starts of the key lie in [t - P, t]; so no closed interval of length P ever holds
-more than L starts.
+the database clock after that lock wait. What a policy admits is decided by its pure object
+(``dispatcher.policies``); this module only reads and writes what those objects need: a
+window's units (the key's running total less the total before the window's first start, two
+index probes) and a bucket's one timestamp per key and policy.
 """
 from __future__ import annotations
 
+import enum
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.db import connection, models
 from django.db.models import Q
 
-from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, pattern_matches
+from dispatcher.policies import Policy as PolicyShape
+from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy, validate
 
 UNLIMITED = 10**9
 # Marks learnt limits among the policy rows (no real policy has a negative concurrency).
 LEARNT = -1
 # The channel on which send(), finishes and policy edits wake long-running dispensers.
 WAKE_CHANNEL = "dispatcher_wake"
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_DURATION = models.DurationField()
+
+# A sliding window built from keyword arguments, as other sources of policies (learnt limits)
+# construct them: Policy(key=..., limit=..., period=...).
+Policy = SlidingWindow
 
 
-@dataclass(frozen=True)
-class Policy:
-    """One rate policy as the limiter applies it."""
+def to_us(moment: datetime) -> int:
+    return (moment - EPOCH) // timedelta(microseconds=1)
 
-    key: str
-    limit: int
-    period: timedelta
-    concurrency: int | None = None
+
+def from_us(value: int) -> datetime:
+    return EPOCH + timedelta(microseconds=value)
 
 
 @dataclass
 class Policies:
     """All policies and pattern pauses, loaded once per dispense pass or start."""
 
-    exact: dict[str, list[Policy]] = field(default_factory=dict)
-    patterns: list[tuple[str, list[Policy]]] = field(default_factory=list)
+    exact: dict[str, list[PolicyShape]] = field(default_factory=dict)
+    patterns: list[tuple[str, list[PolicyShape]]] = field(default_factory=list)
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
     learnt: dict[str, list[Policy]] = field(default_factory=dict)
 
     @classmethod
-    def from_rows(cls, rows: Iterable[Policy], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
-        exact: dict[str, list[Policy]] = {}
-        grouped: dict[str, list[Policy]] = {}
+    def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
+        exact: dict[str, list[PolicyShape]] = {}
+        grouped: dict[str, list[PolicyShape]] = {}
         for policy in rows:
             target = grouped if is_pattern(policy.key) else exact
             target.setdefault(policy.key, []).append(policy)
@@ -60,6 +67,8 @@ class Policies:
     @classmethod
     def load(cls) -> Policies:
         """Read every policy and every pattern pause from the database, in one query."""
+        from dispatcher.conf import dispatcher_settings
+
         if connection.vendor == "postgresql":
             # Runs at every start: the query is compiled once per process (it has no
             # arguments), and PostgreSQL's rows need no conversion.
@@ -69,30 +78,35 @@ class Policies:
                 rows = cursor.fetchall()
         else:
             rows = list(_policies_query())
-        policies: list[Policy] = []
+        guard = dispatcher_settings.ARRIVAL_GUARD
+        policies: list[PolicyShape] = []
         pattern_pauses: dict[str, datetime] = {}
-        learnt: dict[str, list[Policy]] = {}
-        for key, limit, period, concurrency, until in rows:
+        learnt: dict[str, list[PolicyShape]] = {}
+        for key, limit, period, burst, concurrency, until in rows:
             if concurrency == LEARNT:
-                learnt.setdefault(key, []).append(Policy(key=key, limit=limit, period=period))
+                # Learnt limits are windows that absorb the same arrival guard as configured ones.
+                learnt.setdefault(key, []).append(SlidingWindow(key, limit, period, None, guard))
             elif until is not None:
                 pattern_pauses[key] = until
             else:
-                policies.append(Policy(key=key, limit=limit, period=period, concurrency=concurrency))
+                policies.append(make_policy(key, limit, period, burst, concurrency, guard))
         loaded = cls.from_rows(policies, pattern_pauses)
         loaded.learnt = learnt
         return loaded
 
-    def for_key(self, key: str) -> list[Policy]:
-        """Return the policies governing a key: its exact ones, else the most specific pattern's;
-        and the limits learnt for it."""
-        learnt = self.learnt.get(key, []) if self.learnt else []
+    def configured_for_key(self, key: str) -> list[PolicyShape]:
+        """Return the policies set for a key: its exact ones, else the most specific pattern's."""
         if key in self.exact:
-            return self.exact[key] + learnt
+            return self.exact[key]
         for pattern, policies in self.patterns:
             if pattern_matches(pattern, key):
-                return policies + learnt
-        return learnt
+                return policies
+        return []
+
+    def for_key(self, key: str) -> list[PolicyShape]:
+        """Return the policies governing a key: the ones set for it and the limits learnt for it."""
+        learnt = self.learnt.get(key, []) if self.learnt else []
+        return self.configured_for_key(key) + learnt
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None
@@ -100,6 +114,20 @@ class Policies:
             if pattern_matches(pattern, key) and (latest is None or until > latest):
                 latest = until
         return latest
+
+    def never_fits(self, costs: Mapping[str, int]) -> str | None:
+        """Say which configured policy a call of these costs per key could never fit, if one.
+
+        Learnt limits are left out: they last only until they expire.
+        """
+        for key, cost in costs.items():
+            for policy in self.configured_for_key(key):
+                if cost > policy.capacity():
+                    return f"cost {cost} on key {key!r} can never fit its policy {policy.explain()}" + (
+                        f" (holds {policy.capacity()} units with DISPATCHER_ARRIVAL_GUARD)"
+                        if policy.capacity() < getattr(policy, "burst", policy.limit) else ""
+                    )
+        return None
 
 
 def _policies_query() -> models.QuerySet:
@@ -110,16 +138,18 @@ def _policies_query() -> models.QuerySet:
     from dispatcher.models import KeyState, LearntLimit, RateLimit
 
     policies = RateLimit.objects.order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
-        "key", "limit", "period", "concurrency", "until"
+        "key", "limit", "period", "burst", "concurrency", "until"
     )
     pauses = KeyState.objects.order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
         no_limit=models.Value(None, models.IntegerField()),
         no_period=models.Value(None, models.DurationField()),
+        no_burst=models.Value(None, models.IntegerField()),
         no_concurrency=models.Value(None, models.IntegerField()),
-    ).values_list("key", "no_limit", "no_period", "no_concurrency", "paused_until")
+    ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
     learnt = LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
+        no_burst=models.Value(None, models.IntegerField()),
         marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
-    ).values_list("key", "limit", "period", "marker", "no_until")
+    ).values_list("key", "limit", "period", "no_burst", "marker", "no_until")
     return policies.union(pauses, learnt, all=True)
 
 
@@ -129,14 +159,23 @@ def _policies_sql() -> tuple[str, tuple]:
     return query.get_compiler(connection=connection).as_sql()
 
 
+class Hold(enum.StrEnum):
+    """Why a key has no room."""
+
+    PAUSED = "paused"
+    CONCURRENCY = "concurrency"
+    RATE = "rate"
+
+
 @dataclass(frozen=True)
 class Verdict:
-    """How many more calls a key set may take now, and if none, why and until when."""
+    """How many more units a key set may take now, and if none, why and until when."""
 
     room: int
     until: datetime | None = None
     reason: str = ""
     key: str = ""
+    kind: Hold | None = None
 
     @property
     def blocked(self) -> bool:
@@ -192,45 +231,57 @@ def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
     return {row[0]: KeyState.from_db(connection.alias, names, row) for row in rows}
 
 
-def window_counts(governed: dict[str, Sequence[Policy]], now: datetime) -> dict[str, list[int]]:
-    """Return, per key, how many of its starts lie in each of its policies' windows; one query."""
-    from dispatcher.models import KeyStart
+def read_policies(
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], now: datetime
+) -> dict[str, list[Reading]]:
+    """Return, per key, what storage says about each of its policies at ``now``; one query.
+
+    A window: the units in it, its key's running total less the running total before the
+    window's first start (an index probe, whatever the window holds). A bucket: its timestamp.
+    """
+    from dispatcher.models import KeyBucket, KeyStart
 
     if not governed:
         return {}
-    table = KeyStart._meta.db_table
-    # One index range count per (key, period), all in one row; hand-written because the ORM
-    # compiles an aggregate over many filtered counts more slowly than the database runs it.
+    # All probes in one row; hand-written because the ORM compiles many filtered subqueries
+    # more slowly than the database runs them.
     adapt = connection.ops.adapt_datetimefield_value
     columns, params = [], []
     for key, policies in governed.items():
         for policy in policies:
-            columns.append(f"(SELECT COUNT(*) FROM {table} WHERE key = %s AND started_at >= %s)")
-            params += [key, adapt(now - policy.period)]
+            if isinstance(policy, TokenBucket):
+                columns.append(f"(SELECT tat_us FROM {KeyBucket._meta.db_table} WHERE key = %s AND period = %s)")
+                params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
+            else:
+                columns.append(
+                    f"(SELECT cum - units FROM {KeyStart._meta.db_table} WHERE key = %s AND started_at >= %s"
+                    " ORDER BY started_at, cum LIMIT 1)"
+                )
+                params += [key, adapt(now - policy.span)]
     with connection.cursor() as cursor:
         cursor.execute("SELECT " + ", ".join(columns), params)
         row = iter(cursor.fetchone())
-    return {key: [next(row) for _ in policies] for key, policies in governed.items()}
+    readings: dict[str, list[Reading]] = {}
+    for key, policies in governed.items():
+        total = getattr(states.get(key), "total", 0) or 0
+        readings[key] = [_reading(key, policy, next(row), total) for policy in policies]
+    return readings
 
 
-def _window_counts(key: str, policies: Sequence[Policy], now: datetime) -> list[int]:
-    return window_counts({key: policies}, now)[key]
+def _reading(key: str, policy: PolicyShape, value: int | None, total: int) -> Reading:
+    if isinstance(policy, TokenBucket):
+        return Reading(tat=from_us(value) if value is not None else None)
+    base = total if value is None else value
+    return Reading(used=total - base, leaves_at=functools.partial(_unit_leaves_at, key, base))
 
 
-def _slot_frees_at(key: str, policy: Policy, now: datetime, nth_oldest: int) -> datetime | None:
-    """Return when the nth oldest start in the window leaves it."""
+def _unit_leaves_at(key: str, base: int, n: int) -> datetime | None:
+    """Return the start time of the start that holds the n-th unit after ``base``: one index probe."""
     from dispatcher.models import KeyStart
 
-    if nth_oldest < 1:
-        return None
-    starts = list(
-        KeyStart.objects.filter(key=key, started_at__gte=now - policy.period)
-        .order_by("started_at")
-        .values_list("started_at", flat=True)[nth_oldest - 1 : nth_oldest]
+    return (
+        KeyStart.objects.filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
     )
-    if not starts:
-        return None
-    return starts[0] + policy.period + timedelta(microseconds=1)
 
 
 def check_key(
@@ -240,65 +291,89 @@ def check_key(
     policies: Policies,
     *,
     for_start: bool,
-    counts: Sequence[int] | None = None,
+    readings: Sequence[Reading] | None = None,
+    cost: int = 1,
 ) -> Verdict:
-    """Return the room a key has now.
+    """Return the room (in units) a key has now for a call of ``cost`` units.
 
     For a dispense (``for_start=False``) calls already dispatched but not started count as
     if they had started; at the start itself only real starts and running calls count.
-    ``counts`` are the key's window counts if already read (see ``window_counts``).
+    ``readings`` are the key's policy readings if already read (see ``read_policies``).
     """
     paused_until = _paused_until(key, state, now, policies)
     if paused_until is not None:
-        return Verdict(room=0, until=paused_until, reason="paused", key=key)
+        return Verdict(room=0, until=paused_until, reason="paused", key=key, kind=Hold.PAUSED)
     governing = policies.for_key(key)
     if not governing:
         return Verdict(room=UNLIMITED)
     reserved = 0 if for_start else max(state.reserved, 0)
+    reserved_units = 0 if for_start else max(getattr(state, "reserved_units", 0) or 0, 0)
     verdicts: list[Verdict] = []
     caps = [p.concurrency for p in governing if p.concurrency]
     if caps:
         cap = min(caps)
-        busy = max(state.running, 0) + (0 if for_start else reserved)
-        free = cap - busy
-        verdicts.append(Verdict(room=free, until=None, reason=f"concurrency {busy}/{cap}", key=key))
-    if counts is None:
-        counts = _window_counts(key, governing, now)
-    for policy, used in zip(governing, counts, strict=True):
-        free = policy.limit - used - reserved
-        if free > 0:
-            verdicts.append(Verdict(room=free, key=key))
+        busy = max(state.running, 0) + reserved
+        verdicts.append(Verdict(
+            room=cap - busy, until=None, reason=f"concurrency {busy}/{cap}", key=key,
+            kind=Hold.CONCURRENCY if cap - busy <= 0 else None,
+        ))
+    if readings is None:
+        readings = read_policies({key: governing}, {key: state}, now)[key]
+    for policy, reading in zip(governing, readings, strict=True):
+        room = policy.room(reading, now, reserved_units)
+        if room >= cost:
+            verdicts.append(Verdict(room=room, key=key))
             continue
-        # Room returns when enough of the starts in the window have aged out of it. When calls
-        # dispatched but not yet started hold the room, they start at the earliest now, so
-        # their slots free one period from now at the earliest: look again then.
-        must_expire = used + reserved - policy.limit + 1
-        until = _slot_frees_at(key, policy, now, must_expire) if must_expire <= used else now + policy.period
-        reason = f"{policy.limit} per {format_duration(policy.period)} used"
-        verdicts.append(Verdict(room=0, until=until, reason=reason, key=key))
+        until = policy.frees_at(reading, now, cost, reserved_units)
+        verdicts.append(Verdict(room=0, until=until, reason=f"{policy.label()} used", key=key, kind=Hold.RATE))
     return combine(verdicts)
+
+
+@dataclass
+class Assessment:
+    """Each key's verdict, and the readings it was judged on (a start writes from them)."""
+
+    verdicts: dict[str, Verdict]
+    readings: dict[str, list[Reading]]
+
+
+def assess(
+    keys: Sequence[str],
+    states: Mapping[str, models.Model],
+    now: datetime,
+    policies: Policies,
+    *,
+    for_start: bool,
+    costs: Mapping[str, int] | None = None,
+) -> Assessment:
+    """Judge every key, reading all their policies in one query."""
+    governed = {k: policies.for_key(k) for k in keys}
+    # A paused key needs no reading: nothing is admitted until the pause ends.
+    to_read = {
+        k: governing for k, governing in governed.items()
+        if governing and _paused_until(k, states[k], now, policies) is None
+    }
+    readings = read_policies(to_read, states, now)
+    costs = costs or {}
+    verdicts = {
+        k: check_key(
+            k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1)
+        )
+        for k in keys
+    }
+    return Assessment(verdicts, readings)
 
 
 def check_each_key(
     keys: Sequence[str],
-    states: dict[str, models.Model],
+    states: Mapping[str, models.Model],
     now: datetime,
     policies: Policies,
     *,
     for_start: bool,
 ) -> dict[str, Verdict]:
-    """Return the room of each key, counting all their windows in one query."""
-    governed = {k: policies.for_key(k) for k in keys}
-    # A paused key needs no count: nothing is admitted until the pause ends.
-    to_count = {
-        k: governing for k, governing in governed.items()
-        if governing and _paused_until(k, states[k], now, policies) is None
-    }
-    counts = window_counts(to_count, now)
-    return {
-        k: check_key(k, states[k], now, policies, for_start=for_start, counts=counts.get(k, []))
-        for k in keys
-    }
+    """Return the room of each key, reading all their policies in one query."""
+    return assess(keys, states, now, policies, for_start=for_start).verdicts
 
 
 def _paused_until(key: str, state: models.Model, now: datetime, policies: Policies) -> datetime | None:
@@ -309,7 +384,7 @@ def _paused_until(key: str, state: models.Model, now: datetime, policies: Polici
 
 def check_keys(
     keys: Sequence[str],
-    states: dict[str, models.Model],
+    states: Mapping[str, models.Model],
     now: datetime,
     policies: Policies,
     *,
@@ -319,40 +394,113 @@ def check_keys(
     return combine(list(check_each_key(keys, states, now, policies, for_start=for_start).values()))
 
 
-def record_starts(keys: Sequence[str], at: datetime) -> None:
-    """Append one start per key to the sliding-window log."""
-    from dispatcher.models import KeyStart
+@dataclass
+class StartRecord:
+    """What one start writes: log rows (key, units, running total) and bucket states (key, period, tat)."""
 
-    if keys:
-        KeyStart.objects.bulk_create([KeyStart(key=k, started_at=at) for k in keys])
+    log: list[tuple[str, int, int]] = field(default_factory=list)
+    buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
 
 
-def adjust_reserved(by_key: dict[str, int]) -> None:
-    """Add to the reserved counters of locked keys, each its own amount, in one statement."""
+def start_record(
+    keys: Sequence[str],
+    states: Mapping[str, models.Model],
+    assessment: Assessment,
+    policies: Policies,
+    now: datetime,
+    costs: Mapping[str, int],
+) -> StartRecord:
+    """Return what a start of the given costs at ``now`` changes, from the readings it was admitted on."""
+    record = StartRecord()
+    for key in keys:
+        units = costs.get(key, 1)
+        record.log.append((key, units, (states[key].total or 0) + units))
+        for policy, reading in zip(policies.for_key(key), assessment.readings.get(key, []), strict=False):
+            tat = policy.charge(reading, now, units)
+            if tat is not None:
+                record.buckets.append((key, policy.period, to_us(tat)))
+    return record
+
+
+def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:
+    """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
+    from dispatcher.models import KeyBucket, KeyStart
+
+    KeyStart.objects.bulk_create(
+        [KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
+    )
+    if record.buckets:
+        KeyBucket.objects.bulk_create(
+            [KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
+            update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
+        )
+
+
+def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None) -> None:
+    """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one statement."""
     from dispatcher.models import KeyState
 
+    units = units or by_key
     by_key = {key: n for key, n in by_key.items() if n}
     if not by_key:
         return
     table = KeyState._meta.db_table
     cases = " ".join("WHEN %s THEN %s" for _ in by_key)
     marks = ", ".join("%s" for _ in by_key)
-    params = [value for pair in by_key.items() for value in pair] + list(by_key)
+    params = [value for pair in by_key.items() for value in pair]
+    params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
+    params += list(by_key)
     with connection.cursor() as cursor:
         cursor.execute(
-            f"UPDATE {table} SET reserved = reserved + CASE key {cases} END WHERE key IN ({marks})", params
+            f"UPDATE {table} SET reserved = reserved + CASE key {cases} END,"
+            f" reserved_units = reserved_units + CASE key {cases} END WHERE key IN ({marks})",
+            params,
         )
 
 
-def adjust(keys: Sequence[str], *, reserved: int = 0, running: int = 0) -> None:
-    """Move the in-flight counters of locked keys."""
+def adjust(
+    keys: Sequence[str],
+    *,
+    reserved: int = 0,
+    running: int = 0,
+    units: Mapping[str, int] | None = None,
+    totals: Mapping[str, int] | None = None,
+) -> None:
+    """Move the in-flight counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
+
+    ``totals`` sets the keys' running totals of units started (a start's new totals).
+    """
     from dispatcher.models import KeyState
 
     if not keys or (reserved == 0 and running == 0):
         return
-    KeyState.objects.filter(key__in=list(keys)).update(
-        reserved=models.F("reserved") + reserved, running=models.F("running") + running
-    )
+    if totals:
+        sign = 1 if reserved > 0 else -1
+        for key in keys:
+            KeyState.objects.filter(key=key).update(
+                reserved=models.F("reserved") + reserved,
+                reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
+                running=models.F("running") + running,
+                total=totals[key],
+            )
+        return
+    if reserved == 0:
+        KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
+        return
+    if units is None:
+        KeyState.objects.filter(key__in=list(keys)).update(
+            reserved=models.F("reserved") + reserved,
+            reserved_units=models.F("reserved_units") + reserved,
+            running=models.F("running") + running,
+        )
+        return
+    sign = 1 if reserved > 0 else -1
+    for key in keys:
+        KeyState.objects.filter(key=key).update(
+            reserved=models.F("reserved") + reserved,
+            reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
+            running=models.F("running") + running,
+        )
 
 
 def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:
@@ -371,10 +519,12 @@ def prune_starts(batch: int = 5000) -> int:
     from django.db import transaction
 
     from dispatcher.clock import db_now
+    from dispatcher.conf import dispatcher_settings
     from dispatcher.models import KeyStart, RateLimit
 
+    # Kept as long as the longest window counts (its period and the arrival guard).
     longest = max([timedelta(hours=1), *RateLimit.objects.values_list("period", flat=True)])
-    cutoff = db_now() - longest
+    cutoff = db_now() - longest - dispatcher_settings.ARRIVAL_GUARD
     deleted = 0
     while True:
         with transaction.atomic():
@@ -394,28 +544,54 @@ def wake_dispensers() -> None:
 class RateLimitManager(models.Manager):
     """Edits of rate policies and pauses, shared by the command, the admin and settings."""
 
-    def set_policy(self, key: str, limit: int, period: timedelta, concurrency: int | None = None):
-        """Create or update the policy of ``key`` for ``period``."""
+    def set_policy(
+        self,
+        key: str,
+        limit: int,
+        period: timedelta,
+        concurrency: int | None = None,
+        *,
+        burst: int | None = None,
+    ):
+        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
+        from django.db import transaction
+
+        from dispatcher.clock import db_now
         from dispatcher.keys import validate_policy_key
 
         validate_policy_key(key)
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit must be a whole number of at least 1, not {limit!r}")
-        if not isinstance(period, timedelta) or period <= timedelta(0):
-            raise ValueError(f"period must be a duration greater than zero, not {period!r}")
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
-            raise ValueError(f"concurrency must be a whole number of at least 1, not {concurrency!r}")
-        from django.db import transaction
-
+        validate(limit, period, burst, concurrency)
         with transaction.atomic():
             if not is_pattern(key):
                 # Serialise with starts of the key, which read the policies under this lock.
                 lock_keys([key])
+            old = self.filter(key=key, period=period).first()
             policy, _ = self.update_or_create(
-                key=key, period=period, defaults={"limit": limit, "concurrency": concurrency}
+                key=key, period=period, defaults={"limit": limit, "concurrency": concurrency, "burst": burst}
             )
+            self._carry_buckets(old, policy, db_now())
             wake_dispensers()
         return policy
+
+    def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
+        """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
+        from dispatcher.conf import dispatcher_settings
+        from dispatcher.models import KeyBucket
+
+        buckets = KeyBucket.objects.filter(period=new.period)
+        if is_pattern(new.key):
+            buckets = buckets.filter(key__startswith=new.key[:-1])
+        else:
+            buckets = buckets.filter(key=new.key)
+        guard = dispatcher_settings.ARRIVAL_GUARD
+        before = old.as_policy().with_guard(guard) if old is not None else None
+        after = new.as_policy().with_guard(guard)
+        if not (isinstance(before, TokenBucket) and isinstance(after, TokenBucket)):
+            buckets.delete()
+            return
+        for bucket in buckets.filter(tat_us__gt=to_us(now)):
+            tat = before.rebase(from_us(bucket.tat_us), now, after)
+            KeyBucket.objects.filter(id=bucket.id).update(tat_us=to_us(tat))
 
     def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
         """Pause a key (or every key a pattern matches) for a duration from now."""
@@ -456,6 +632,7 @@ class RateLimitManager(models.Manager):
                     int(entry["limit"]),
                     parse_positive_duration(entry["period"]),
                     int(entry["concurrency"]) if entry.get("concurrency") else None,
+                    burst=int(entry["burst"]) if entry.get("burst") is not None else None,
                 )
             except (KeyError, TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(f"DISPATCHER_RATE_LIMITS entry {entry!r}: {exc}") from exc

@@ -122,11 +122,17 @@ class DispatcherCollector(Collector):
         statuses = live.key_statuses(now=db_now())
         utilisation = GaugeMetricFamily(
             "dispatcher_limiter_utilisation",
-            "Share of a policy's limit used in its current window (1 = full).",
+            "Share of a policy used now: a window's units over its limit, a bucket's spent tokens over its burst (1 = full).",
             labels=["key", "period_seconds"],
         )
-        used = GaugeMetricFamily("dispatcher_limiter_used", "Starts in the policy's current window.", labels=["key", "period_seconds"])
-        limit = GaugeMetricFamily("dispatcher_limiter_limit", "The policy's limit per window.", labels=["key", "period_seconds"])
+        used = GaugeMetricFamily(
+            "dispatcher_limiter_used", "Units in a window now, or tokens a bucket has spent and not yet refilled.",
+            labels=["key", "period_seconds"],
+        )
+        limit = GaugeMetricFamily("dispatcher_limiter_limit", "The policy's limit per period.", labels=["key", "period_seconds"])
+        burst = GaugeMetricFamily(
+            "dispatcher_limiter_burst", "A token bucket's burst (depth); absent for windows.", labels=["key", "period_seconds"]
+        )
         in_flight = GaugeMetricFamily("dispatcher_key_in_flight", "Calls dispatched or running, by key.", labels=["key"])
         paused = GaugeMetricFamily("dispatcher_key_paused", "1 while a key is paused.", labels=["key"])
         learnt = GaugeMetricFamily(
@@ -143,9 +149,11 @@ class DispatcherCollector(Collector):
                 utilisation.add_metric(labels, p.utilisation)
                 used.add_metric(labels, p.used)
                 limit.add_metric(labels, p.limit)
+                if p.shape == "bucket":
+                    burst.add_metric(labels, p.policy.burst)
             in_flight.add_metric([key], s.in_flight)
             paused.add_metric([key], 1 if s.paused_until else 0)
-        yield from (utilisation, used, limit, in_flight, paused, learnt)
+        yield from (utilisation, used, limit, burst, in_flight, paused, learnt)
 
     def _liveness(self) -> Iterator:
         from dispatcher import liveness

@@ -8,26 +8,16 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatcher.limiter import RateLimitManager
+from dispatcher.policies import Policy, make_policy
 from dispatcher.queries import CallQueueManager
+from dispatcher.states import CallStatus
 from dispatcher.validation import StoredJSONDecoder
 
 
 class CallQueue(models.Model):
     """One call to a third-party API, from send() to done, failed or cancelled."""
 
-    class Status(models.TextChoices):
-        # Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429.
-        PENDING = "pending", "Pending"
-        # Claimed by a dispenser and published to Celery; not yet started by a worker.
-        DISPATCHED = "dispatched", "Dispatched"
-        # A worker is running the handler.
-        RUNNING = "running", "Running"
-        # The handler returned; the result is stored.
-        DONE = "done", "Done"
-        # Gave up: a permanent error, or max_attempts spent.
-        FAILED = "failed", "Failed"
-        # Cancelled before it ran.
-        CANCELLED = "cancelled", "Cancelled"
+    Status = CallStatus
 
     WAITING = (Status.PENDING,)
     IN_FLIGHT = (Status.DISPATCHED, Status.RUNNING)
@@ -52,6 +42,9 @@ class CallQueue(models.Model):
     result = models.JSONField(null=True, blank=True, decoder=StoredJSONDecoder)
     last_error = models.TextField(blank=True, default="")
     last_traceback = models.TextField(blank=True, default="")
+    cost = models.JSONField(
+        null=True, blank=True, help_text="Units the call counts against each key's policies, {key: units}; empty: 1 each."
+    )
 
     objects = CallQueueManager()
 
@@ -93,6 +86,10 @@ class CallQueue(models.Model):
     def __str__(self) -> str:
         return f"#{self.pk} {self.method} ({self.status})"
 
+    def cost_of(self, key: str) -> int:
+        """Return the units the call counts against one of its keys."""
+        return int((self.cost or {}).get(key, 1))
+
     @property
     def is_retry_wait(self) -> bool:
         """Whether the call waits for a retry, having been tried before."""
@@ -128,13 +125,19 @@ class Attempt(models.Model):
 
 
 class RateLimit(models.Model):
-    """A policy: at most ``limit`` starts per ``period`` for a key, and at most ``concurrency`` in flight."""
+    """A policy: ``limit`` units per ``period`` for a key (a sliding window, or a token bucket with
+    ``burst``), and at most ``concurrency`` in flight."""
 
     key = models.CharField(
         max_length=200, help_text="An exact key, or a pattern ending in '*' giving each matching key its own limit."
     )
-    limit = models.PositiveIntegerField(help_text="Most calls that may start in any window of one period.")
-    period = models.DurationField(help_text="Length of the window, e.g. 1 second, 1 hour.")
+    limit = models.PositiveIntegerField(help_text="Units that may start per period.")
+    period = models.DurationField(help_text="Length of the window, or the time a bucket takes to refill `limit` units.")
+    burst = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Empty: a sliding window (at most `limit` in any period). Set: a token bucket this deep, "
+        "refilling at `limit` per period; 1 spaces calls evenly.",
+    )
     concurrency = models.PositiveIntegerField(
         null=True, blank=True, help_text="Most calls of the key dispatched or running at once."
     )
@@ -154,15 +157,20 @@ class RateLimit(models.Model):
                 condition=Q(concurrency__isnull=True) | Q(concurrency__gte=1),
                 name="dispatcher_ratelimit_concurrency_gte_1",
             ),
+            models.CheckConstraint(
+                condition=Q(burst__isnull=True) | Q(burst__gte=1), name="dispatcher_ratelimit_burst_gte_1"
+            ),
         ]
 
     def __str__(self) -> str:
-        from dispatcher.durations import format_duration
-
-        text = f"{self.key}: {self.limit} per {format_duration(self.period)}"
+        text = f"{self.key}: {self.as_policy().label()}"
         if self.concurrency:
             text += f", {self.concurrency} concurrent"
         return text
+
+    def as_policy(self) -> Policy:
+        """Return the pure policy object of this row (a window, or a bucket with a burst)."""
+        return make_policy(self.key, self.limit, self.period, self.burst, self.concurrency)
 
 
 class KeyState(models.Model):
@@ -170,6 +178,8 @@ class KeyState(models.Model):
 
     key = models.CharField(max_length=200, primary_key=True)
     reserved = models.IntegerField(default=0, help_text="Calls dispatched and not yet started.")
+    reserved_units = models.IntegerField(default=0, help_text="Units of the calls dispatched and not yet started.")
+    total = models.BigIntegerField(default=0, help_text="Units ever started under the key: the start log's running total.")
     running = models.IntegerField(default=0, help_text="Calls running now.")
     paused_until = models.DateTimeField(null=True, blank=True)
     pause_reason = models.CharField(max_length=200, blank=True, default="")
@@ -182,14 +192,25 @@ class KeyState(models.Model):
 
 
 class KeyStart(models.Model):
-    """One start under one key: the sliding-window log the limiter counts."""
+    """One start under one key: the sliding-window log, with the key's running total of units.
+
+    A window's count is the key's total less the running total before the window's first
+    start: two index probes, whatever the number of starts in the window.
+    """
 
     key = models.CharField(max_length=200)
     started_at = models.DateTimeField()
+    units = models.IntegerField(default=1)
+    cum = models.BigIntegerField(default=0, help_text="The key's running total of units, this start included.")
+    # No foreign key: the log outlives pruned calls; it only finds a start again to correct its cost.
+    call_id = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "dispatcher_keystart"
-        indexes = [models.Index(fields=["key", "started_at"], name="dispatcher_keystart_key_idx")]
+        indexes = [
+            models.Index(fields=["key", "started_at"], name="dispatcher_keystart_key_idx"),
+            models.Index(fields=["key", "cum"], name="dispatcher_keystart_cum_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.key} @ {self.started_at.isoformat()}"
@@ -216,6 +237,8 @@ class Heartbeat(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
 class LearntLimit(models.Model):
     """A limit an API announced for a key, applied beside the configured policies until it expires."""
 
@@ -239,3 +262,19 @@ class LearntLimit(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key}: {self.limit} per {self.period.total_seconds():g}s (learnt from {self.source})"
+
+
+class KeyBucket(models.Model):
+    """A token bucket's state for one key and one policy: GCRA's theoretical arrival time."""
+
+    key = models.CharField(max_length=200)
+    period = models.DurationField(help_text="The period of the bucket's policy.")
+    tat_us = models.BigIntegerField(help_text="When the bucket is full again, microseconds since the epoch.")
+    since = models.DateTimeField(help_text="The first start this state counts; a cost correction of an earlier start leaves it.")
+
+    class Meta:
+        db_table = "dispatcher_keybucket"
+        constraints = [models.UniqueConstraint(fields=["key", "period"], name="dispatcher_keybucket_key_period_uniq")]
+
+    def __str__(self) -> str:
+        return f"{self.key} per {self.period}"

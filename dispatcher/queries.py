@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -15,11 +16,13 @@ from django.db.models import F, Q
 from dispatcher import limiter
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.exceptions import InvalidCall, InvalidParams
+from dispatcher.costs import clean_cost
+from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidParams
 from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, parse_key_set, resolve_keys
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
+from dispatcher.states import CallStatus as Status
 from dispatcher.validation import OutOfBounds, check_json, check_moment
 
 if TYPE_CHECKING:
@@ -27,12 +30,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatcher")
 
-PENDING, DISPATCHED, RUNNING = "pending", "dispatched", "running"
-DONE, FAILED, CANCELLED = "done", "failed", "cancelled"
+# Plain strings (the values of CallQueue.Status): raw SQL parameters must not be enum members.
+PENDING, DISPATCHED, RUNNING = Status.PENDING.value, Status.DISPATCHED.value, Status.RUNNING.value
+DONE, FAILED, CANCELLED = Status.DONE.value, Status.FAILED.value, Status.CANCELLED.value
 INT32_MAX = 2**31 - 1
 MAX_ERROR_CHARS = 10_000
+# How long a start may wait for its slot while holding its keys' locks (see start()).
+HOLD_FOR_SLOT = timedelta(milliseconds=30)
 
-SEND_ARGUMENTS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue"}
+SEND_ARGUMENTS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue", "cost"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,11 @@ class Claimed:
     queue: str
     key_set: str
     priority: int = 0
+    # Units per key when any differs from 1 (the call's ``cost``).
+    cost: dict[str, int] | None = None
+
+    def units(self, key: str) -> int:
+        return (self.cost or {}).get(key, 1)
 
 
 @dataclass
@@ -144,6 +155,11 @@ class _SendSettings:
     def queue(self) -> str:
         return dispatcher_settings.QUEUE
 
+    @cached_property
+    def policies(self) -> limiter.Policies:
+        # Read only for a call that costs more than 1 unit somewhere: 1 unit fits every policy.
+        return limiter.Policies.load()
+
 
 def _clean_call(
     settings: _SendSettings,
@@ -155,6 +171,7 @@ def _clean_call(
     run_at: Any = None,
     max_attempts: Any = None,
     queue: Any = None,
+    cost: Any = None,
 ) -> NewCall:
     """Validate send()'s arguments and return the call to store; raise an InvalidCall (a ValueError) if bad."""
     handler = get_handler(method)
@@ -179,7 +196,17 @@ def _clean_call(
             run_at = check_moment(run_at)
         except OutOfBounds as exc:
             raise InvalidCall(str(exc)) from None
-    return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at)
+    units = clean_cost(cost, call_keys, clean, handler.cost)
+    if units is not None:
+        wrong = settings.policies.never_fits(units)
+        if wrong:
+            raise CostNeverFits(wrong)
+    return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at, units)
+
+
+def _json_value(value: Any) -> Any:
+    """Return a JSON column's value from a raw cursor (Django has the driver hand back the text)."""
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQueue:
@@ -191,6 +218,31 @@ def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQ
             value = convert(value, None, connection_)
         values.append(value)
     return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)
+
+
+def _bulk_create_whole(manager: models.Manager, objs: list[Any]) -> list[Any]:
+    """bulk_create in one INSERT where the SQLite library allows it.
+
+    Django batches SQLite inserts at 999 variables (old SQLite's compile-time limit); the
+    library in use reports its own limit, usually far higher.
+    """
+    db = connections[manager.db]
+    ops = db.ops
+    db.ensure_connection()
+    try:
+        import sqlite3
+
+        limit = db.connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    except (AttributeError, ImportError):
+        return manager.bulk_create(objs)
+    fields = len(manager.model._meta.concrete_fields)
+    if not objs or fields * len(objs) > limit:
+        return manager.bulk_create(objs)
+    ops.bulk_batch_size = lambda _fields, batch: len(batch)  # this connection, this call only
+    try:
+        return manager.bulk_create(objs)
+    finally:
+        del ops.bulk_batch_size
 
 
 class CallQueueQuerySet(models.QuerySet):
@@ -227,11 +279,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         run_at: datetime | None = None,
         max_attempts: int | None = None,
         queue: str | None = None,
+        cost: int | Mapping[str, int] | None = None,
     ) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
         call = _clean_call(
             _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
-            max_attempts=max_attempts, queue=queue,
+            max_attempts=max_attempts, queue=queue, cost=cost,
         )
         return self.model(**call.fields(PENDING))
 
@@ -245,11 +298,16 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         run_at: datetime | None = None,
         max_attempts: int | None = None,
         queue: str | None = None,
+        cost: int | Mapping[str, int] | None = None,
     ) -> CallQueue:
-        """Store one call in the caller's transaction and return the saved row."""
+        """Store one call in the caller's transaction and return the saved row.
+
+        ``cost``: units charged to every key (an int), or {key: units} (keys not named cost 1);
+        a cost one of the call's policies could never admit is refused (CostNeverFits).
+        """
         call = _clean_call(
             _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
-            max_attempts=max_attempts, queue=queue,
+            max_attempts=max_attempts, queue=queue, cost=cost,
         )
         db_connection = connections[self.db]
         if db_connection.vendor == "postgresql":
@@ -280,7 +338,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if db_connection.vendor == "postgresql":
             # One statement: every row is stored or none, without a transaction of its own.
             return insert_many(self.model, self.db, db_connection, cleaned, PENDING)
-        return self.bulk_create([self.model(**call.fields(PENDING)) for call in cleaned])
+        return _bulk_create_whole(self, [self.model(**call.fields(PENDING)) for call in cleaned])
 
     # --- dispense ------------------------------------------------------------------------
 
@@ -332,38 +390,57 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if not verdict.blocked:
                     active.append(text)
             reserved: dict[str, int] = {}
+            reserved_units: dict[str, int] = {}
+            # Key sets whose next call costs more than their keys have room for; its cost per key.
+            walled: dict[str, dict[str, int]] = {}
             while active and budget > 0:
                 share = max(1, budget // len(active))
                 asks: dict[str, int] = {}
                 left = budget
                 for text in active:
+                    # Room is in units and every call costs at least one: never more calls than units.
                     wanted = min([share, left, *(room[key] for key in parsed[text])])
                     if wanted > 0:
                         asks[text] = wanted
                         left -= wanted
-                        for key in parsed[text]:
-                            room[key] -= wanted
                 if not asks:
                     break
                 rows = self._claim_rows(asks, now)
                 got: dict[str, int] = {}
-                for row in rows:
+                kept, returned = [], []
+                # Each key set's calls in the order its scan chose them; a call that does not fit
+                # its keys' room (its cost) ends the key set's share, so no cheaper call jumps it.
+                for row in sorted(rows, key=lambda r: (r.key_set, -r.priority, r.id)):
+                    keys = parsed[row.key_set]
+                    if row.key_set in walled or any(row.units(key) > room[key] for key in keys):
+                        walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
+                        returned.append(row.id)
+                        continue
+                    kept.append(row)
                     got[row.key_set] = got.get(row.key_set, 0) + 1
-                for text, wanted in asks.items():
-                    for key in parsed[text]:
-                        room[key] += wanted - got.get(text, 0)
-                        reserved[key] = reserved.get(key, 0) + got.get(text, 0)
-                result.calls.extend(rows)
-                budget -= len(rows)
+                    for key in keys:
+                        room[key] -= row.units(key)
+                        reserved[key] = reserved.get(key, 0) + 1
+                        reserved_units[key] = reserved_units.get(key, 0) + row.units(key)
+                if returned:
+                    self.filter(id__in=returned).update(status=PENDING, dispatched_at=None)
+                result.calls.extend(kept)
+                budget -= len(kept)
                 # Only a key set that filled its share may have more waiting.
-                active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted]
-            limiter.adjust_reserved(reserved)
-            # A key set whose keys this pass filled waits for room like one found blocked.
-            filled = sorted({key for key in reserved if room[key] <= 0})
+                active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted and text not in walled]
+            limiter.adjust_reserved(reserved, reserved_units)
+            # A key set whose keys this pass filled (or whose next call's cost does not fit)
+            # waits for room like one found blocked.
+            filled = sorted({key for key in reserved if room[key] <= 0} | {k for c in walled.values() for k in c})
             if filled:
-                for key in filled:
+                for key in reserved:
                     states[key].reserved += reserved[key]
-                after = limiter.check_each_key(filled, states, at, policies, for_start=False)
+                    states[key].reserved_units += reserved_units[key]
+                need: dict[str, int] = {}
+                for costs in walled.values():
+                    for key, units in costs.items():
+                        need[key] = max(need.get(key, 1), units)
+                after = limiter.assess(filled, states, at, policies, for_start=False, costs=need).verdicts
                 for text, keys in parsed.items():
                     if not result.verdicts[text].blocked and any(key in after for key in keys):
                         result.verdicts[text] = limiter.combine([after.get(key, by_key[key]) for key in keys])
@@ -381,13 +458,15 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 self.filter(status=PENDING, key_set=text, run_at__lte=now)
                 .order_by("-priority", "id")
                 .select_for_update(skip_locked=True)
-                .values_list("id", "dispatch_no", "queue", "priority")[:wanted]
+                .values_list("id", "dispatch_no", "queue", "priority", "cost")[:wanted]
             )
             if rows:
                 self.filter(id__in=[r[0] for r in rows]).update(
                     status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
                 )
-            claimed += [Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p) for i, n, q, p in rows]
+            claimed += [
+                Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p, cost=c) for i, n, q, p, c in rows
+            ]
         return claimed
 
     def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
@@ -406,11 +485,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     FOR UPDATE SKIP LOCKED
                 ) AS due
             )
-            RETURNING id, dispatch_no, queue, key_set, priority
+            RETURNING id, dispatch_no, queue, key_set, priority, cost
         """
         with connections[self.db].cursor() as cursor:
             cursor.execute(sql, [DISPATCHED, now, list(asks), list(asks.values()), PENDING, now])
-            return [Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p) for i, n, q, k, p in cursor.fetchall()]
+            return [
+                Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=_json_value(c))
+                for i, n, q, k, p, c in cursor.fetchall()
+            ]
 
     def put_back(self, calls: Iterable[Claimed]) -> int:
         """Return claimed calls whose publish failed to waiting at once."""
@@ -423,11 +505,15 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             with transaction.atomic(using=self.db):
                 limiter.lock_keys(keys)
                 won = 0
+                units = dict.fromkeys(keys, 0)
                 for call in group:
-                    won += self.filter(id=call.id, status=DISPATCHED, dispatch_no=call.dispatch_no).update(
+                    if self.filter(id=call.id, status=DISPATCHED, dispatch_no=call.dispatch_no).update(
                         status=PENDING, dispatched_at=None
-                    )
-                limiter.adjust(keys, reserved=-won)
+                    ):
+                        won += 1
+                        for key in keys:
+                            units[key] += call.units(key)
+                limiter.adjust(keys, reserved=-won, units=units)
                 returned += won
         return returned
 
@@ -449,7 +535,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             # Hand-written: read before any lock at every start, where the ORM's compilation
             # would cost more than the query.
             cursor.execute(
-                f"SELECT key_set, status, dispatch_no FROM {self.model._meta.db_table} WHERE id = %s", [call_id]
+                f"SELECT key_set, status, dispatch_no, cost FROM {self.model._meta.db_table} WHERE id = %s", [call_id]
             )
             head = cursor.fetchone()
         if head is None:
@@ -457,7 +543,10 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if head[1] != DISPATCHED or head[2] != dispatch_no:
             return Started("stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
         keys = parse_key_set(head[0])
+        cost = _json_value(head[3]) or {}
+        costs = {key: cost.get(key, 1) for key in keys}
         capped = False
+        record = None
         with transaction.atomic(using=self.db):
             if keys:
                 states = limiter.lock_keys(keys)
@@ -466,7 +555,19 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 now = db_now()
                 # Re-checked at the start itself: a message may have waited in the broker while
                 # the window filled, a policy tightened or a pause began.
-                verdict = limiter.check_keys(keys, states, now, policies, for_start=True)
+                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                verdict = limiter.combine(list(assessment.verdicts.values()))
+                if (
+                    verdict.blocked and verdict.until is not None
+                    and verdict.until - now <= min(may_wait, HOLD_FOR_SLOT)
+                ):
+                    # The slot frees within a few milliseconds: wait for it holding the key locks,
+                    # which no other start of these keys could use before then anyway, so the
+                    # start lands on its slot rather than a worker's round trip after it.
+                    time.sleep((verdict.until - now).total_seconds())
+                    now = db_now()
+                    assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                    verdict = limiter.combine(list(assessment.verdicts.values()))
                 if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
                     return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
                 if verdict.blocked:
@@ -476,24 +577,27 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     )
                     if not deferred:
                         return Started("stale", reason="claimed by another delivery")
-                    limiter.adjust(keys, reserved=-1)
+                    limiter.adjust(keys, reserved=-1, units=costs)
                     return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
                 capped = any(p.concurrency for key in keys for p in policies.for_key(key))
+                record = limiter.start_record(keys, states, assessment, policies, now, costs)
             else:
                 now = db_now()
-            started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200])
+            started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200], record)
         if started is None:
             return Started("stale", reason="claimed by another delivery")
         return Started("started", call=started[0], attempt=started[1], capped=capped)
 
     def _mark_running(
-        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str
+        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
+        record: limiter.StartRecord | None,
     ) -> tuple[CallQueue, Attempt] | None:
         """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
         from dispatcher.models import Attempt
 
+        record = record or limiter.StartRecord()
         if connections[self.db].vendor == "postgresql":
-            return self._mark_running_returning(call_id, dispatch_no, keys, now, worker)
+            return self._mark_running_returning(call_id, dispatch_no, keys, now, worker, record)
         won = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
             status=RUNNING, started_at=now, attempts=F("attempts") + 1
         )
@@ -503,15 +607,19 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         attempt = Attempt.objects.create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
-        limiter.record_starts(keys, now)
-        limiter.adjust(keys, reserved=-1, running=1)
+        limiter.record_starts(now, record, call_id)
+        limiter.adjust(
+            keys, reserved=-1, running=1, units={key: units for key, units, _ in record.log},
+            totals={key: cum for key, _, cum in record.log},
+        )
         return call, attempt
 
     def _mark_running_returning(
-        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str
+        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
+        record: limiter.StartRecord,
     ) -> tuple[CallQueue, Attempt] | None:
-        """The same as one statement: the guarded update, the attempt, the window log, the counters."""
-        from dispatcher.models import Attempt, KeyStart, KeyState
+        """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
+        from dispatcher.models import Attempt, KeyBucket, KeyStart, KeyState
 
         fields = self.model._meta.concrete_fields
         columns = ", ".join(f"started.{connections[self.db].ops.quote_name(f.column)}" for f in fields)
@@ -525,18 +633,33 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 INSERT INTO {Attempt._meta.db_table} (call_id, number, started_at, outcome, error, worker)
                 SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
                 RETURNING id, number
-            ), window_log AS (
-                INSERT INTO {KeyStart._meta.db_table} (key, started_at)
-                SELECT key, %(now)s FROM started, unnest(%(keys)s::text[]) AS key
+            ), start_log AS (
+                INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum, call_id)
+                SELECT log.key, %(now)s, log.units, log.cum, started.id
+                FROM started, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[])
+                    AS log(key, units, cum)
+            ), buckets AS (
+                INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us, since)
+                SELECT b.key, b.period, b.tat_us, %(now)s
+                FROM started, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
+                    AS b(key, period, tat_us)
+                ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
             ), counters AS (
-                UPDATE {KeyState._meta.db_table} SET reserved = reserved - 1, running = running + 1
-                WHERE key = ANY(%(keys)s::text[]) AND EXISTS (SELECT 1 FROM started)
+                UPDATE {KeyState._meta.db_table} AS state
+                SET reserved = reserved - 1, reserved_units = reserved_units - log.units,
+                    running = running + 1, total = log.cum
+                FROM unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[]) AS log(key, units, cum)
+                WHERE state.key = log.key AND EXISTS (SELECT 1 FROM started)
             )
             SELECT attempt.id, attempt.number, {columns} FROM started, attempt
         """
         params = {
             "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
-            "dispatch_no": dispatch_no, "worker": worker, "keys": keys,
+            "dispatch_no": dispatch_no, "worker": worker,
+            "log_keys": [k for k, _, _ in record.log], "log_units": [u for _, u, _ in record.log],
+            "log_cums": [c for _, _, c in record.log],
+            "b_keys": [k for k, _, _ in record.buckets], "b_periods": [p for _, p, _ in record.buckets],
+            "b_tats": [t for _, _, t in record.buckets],
         }
         with connections[self.db].cursor() as cursor:
             cursor.execute(sql, params)
@@ -684,6 +807,47 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.adjust(keys, running=-1)
         return True
 
+    def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
+        """Correct the keys' usage to what a started call really cost; return the change per key.
+
+        The call's rows in the start log take the reported units (and every later running
+        total of the key moves with them); its buckets are charged or refunded the difference.
+        """
+        from dispatcher.models import KeyBucket, KeyStart, KeyState
+
+        keys = parse_key_set(call.key_set)
+        if isinstance(reported, Mapping):
+            actual = {key: int(reported.get(key, call.cost_of(key))) for key in keys}
+        else:
+            actual = dict.fromkeys(keys, int(reported))
+        deltas = {key: actual[key] - call.cost_of(key) for key in keys if actual[key] != call.cost_of(key)}
+        if not deltas or call.started_at is None:
+            return {}
+        with transaction.atomic(using=self.db):
+            limiter.lock_keys(keys)
+            policies = limiter.Policies.load()
+            now = db_now()
+            for key, delta in deltas.items():
+                start = KeyStart.objects.filter(key=key, started_at=call.started_at, call_id=call.id).first()
+                if start is not None:
+                    KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                    KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
+                KeyState.objects.filter(key=key).update(total=F("total") + delta)
+                for policy in policies.for_key(key):
+                    if not isinstance(policy, limiter.TokenBucket):
+                        continue
+                    bucket = KeyBucket.objects.filter(key=key, period=policy.period).first()
+                    if bucket is None or bucket.since > call.started_at:
+                        # This bucket (new, or a new shape) never charged the start: nothing to
+                        # give back, and an extra charge would count a start it did not see.
+                        continue
+                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
+                    if tat is not None:
+                        KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+            if any(delta < 0 for delta in deltas.values()):
+                limiter.wake_dispensers()
+        return deltas
+
     # --- rescue --------------------------------------------------------------------------
 
     def rescue(self, batch: int | None = None) -> RescueReport:
@@ -714,7 +878,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if call.status == DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
                     # Claimed but never started: the message was lost; no attempt was spent.
                     self.filter(id=call_id).update(status=PENDING, dispatched_at=None)
-                    limiter.adjust(keys, reserved=-1)
+                    limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys})
                     report.dispatched += 1
                 elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
                     # Started but never finished: the worker died; the attempt counts.

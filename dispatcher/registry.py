@@ -21,6 +21,8 @@ class Handler:
     queue: str | None = None
     max_attempts: int | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    # Computes a call's cost from its params when send() names none: an int or {key: units}.
+    cost: Callable[[dict[str, Any]], Any] | None = None
 
     def validate(self, params: dict[str, Any]) -> None:
         """Run the handler's validator; any error it raises becomes InvalidParams."""
@@ -48,12 +50,15 @@ def handler(
     validator: Validator | None = None,
     queue: str | None = None,
     max_attempts: int | None = None,
+    cost: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as the handler of ``name``, called as ``fn(**params)``."""
     if not isinstance(name, str) or not name:
         raise ValueError("a handler needs a non-empty name")
     if isinstance(keys, str):
         raise ValueError("keys must be a list of key templates, not a single string")
+    if cost is not None and not callable(cost):
+        raise ValueError("cost must be a callable taking the params and returning units")
 
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         existing = _registry.get(name)
@@ -66,6 +71,7 @@ def handler(
             validator=validator,
             queue=queue,
             max_attempts=max_attempts,
+            cost=cost,
         )
         return fn
 

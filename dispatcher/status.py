@@ -7,19 +7,19 @@ the answer is what a dispenser would decide at this instant, give or take a conc
 """
 from __future__ import annotations
 
-import math
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Sum
 from django.db.models.functions import TruncMinute
 
 from dispatcher import limiter
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, parse_key_set
+from dispatcher.policies import Policy as PolicyShape
 
 if TYPE_CHECKING:
     from dispatcher.models import CallQueue
@@ -27,26 +27,50 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PolicyUse:
-    """One policy of a key and how much of its current window is used."""
+    """One policy of a key and how much of it is used now (a window's units, a bucket's spent tokens)."""
 
-    policy_key: str
-    limit: int
-    period: timedelta
+    policy: PolicyShape
     used: int
-    concurrency: int | None
-    learnt: bool = False  # announced by the API (dispatcher.learning), not configured
+    # Units that may start now, calls already dispatched counted.
+    room: int = 0
+    # Announced by the API (dispatcher.learning), not configured.
+    learnt: bool = False
+
+    @property
+    def policy_key(self) -> str:
+        return self.policy.key
+
+    @property
+    def limit(self) -> int:
+        return self.policy.limit
+
+    @property
+    def period(self) -> timedelta:
+        return self.policy.period
+
+    @property
+    def concurrency(self) -> int | None:
+        return self.policy.concurrency
+
+    @property
+    def shape(self) -> str:
+        return self.policy.shape
+
+    @property
+    def capacity(self) -> int:
+        return self.policy.capacity()
 
     @property
     def utilisation(self) -> float:
-        return self.used / self.limit
+        return self.used / self.capacity
 
     @property
     def per_minute(self) -> float:
-        """The policy's limit expressed as starts per minute (its average rate)."""
-        return self.limit * 60 / self.period.total_seconds()
+        """The policy's sustained rate in units per minute."""
+        return self.policy.per_minute
 
     def label(self) -> str:
-        text = f"{self.limit} per {format_duration(self.period)}"
+        text = self.policy.label()
         return f"{text} (learnt from the API)" if self.learnt else text
 
 
@@ -96,19 +120,17 @@ class KeyStatus:
     def drain_time(self) -> timedelta | None:
         """Estimate how long the backlog takes to start at the current limits.
 
-        For each policy (L per P): the calls beyond the room left now need ceil(n / L) more
-        windows of P; the slowest policy and any pause decide. Concurrency is left out (how
-        long a call runs is not known in advance), so the estimate is a lower bound. None when
-        nothing waits; zero when the backlog fits the room there is now.
+        Each policy estimates its own drain (a window: whole windows beyond the room left now;
+        a bucket: one interval per unit beyond its tokens), counting a unit per waiting call;
+        the slowest policy and any pause decide. Concurrency is left out (how long a call runs
+        is not known in advance), so the estimate is a lower bound. None when nothing waits;
+        zero when the backlog fits the room there is now.
         """
         if self.waiting == 0:
             return None
         estimate = timedelta(0)
-        for policy in self.policies:
-            room_now = max(policy.limit - policy.used - self.reserved, 0)
-            beyond = self.waiting - room_now
-            if beyond > 0:
-                estimate = max(estimate, policy.period * math.ceil(beyond / policy.limit))
+        for use in self.policies:
+            estimate = max(estimate, use.policy.drain(use.room, self.waiting))
         if self.paused_until and self.paused_until > self.now:
             estimate += self.paused_until - self.now
         return estimate
@@ -121,9 +143,13 @@ class KeyStatus:
             "policies": [
                 {
                     "policy_key": p.policy_key,
+                    "shape": p.shape,
                     "limit": p.limit,
                     "period_seconds": p.period.total_seconds(),
+                    "burst": getattr(p.policy, "burst", None),
+                    "explain": p.policy.explain(),
                     "used": p.used,
+                    "capacity": p.capacity,
                     "utilisation": round(p.utilisation, 4),
                     **({"learnt": True} if p.learnt else {}),  # a limit the API announced
                 }
@@ -145,11 +171,22 @@ class KeyStatus:
         }
 
 
+class WaitKind(enum.StrEnum):
+    """What holds a waiting call back."""
+
+    RUN_AT = "run_at"
+    BACKOFF = "backoff"
+    DEFERRED = "deferred"
+    PAUSED = "paused"
+    RATE = "rate"
+    CONCURRENCY = "concurrency"
+
+
 @dataclass(frozen=True)
 class WaitReason:
     """One thing that holds a call back."""
 
-    kind: str  # "run_at", "backoff", "deferred", "paused", "rate", "concurrency"
+    kind: WaitKind
     text: str
     until: datetime | None = None
     key: str = ""
@@ -242,16 +279,20 @@ def _key_state(key: str, states: dict[str, Any]) -> Any:
 
 def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies) -> KeyStatus:
     governing = policies.for_key(key)
-    counts = limiter._window_counts(key, governing, now) if governing else []
+    readings = limiter.read_policies({key: governing}, {key: state}, now)[key] if governing else []
     pattern_pause = policies.pattern_pause(key)
     pauses = [t for t in (state.paused_until, pattern_pause) if t is not None and t > now]
-    verdict = limiter.check_key(key, state, now, policies, for_start=False)
+    verdict = limiter.check_key(key, state, now, policies, for_start=False, readings=readings)
+    reserved_units = max(state.reserved_units or 0, 0)
     status = KeyStatus(
         key=key,
         now=now,
         policies=[
-            PolicyUse(p.key, p.limit, p.period, used, p.concurrency, learnt=p in policies.learnt.get(key, ()))
-            for p, used in zip(governing, counts, strict=True)
+            PolicyUse(
+                p, p.capacity() - p.room(r, now), max(p.room(r, now, reserved_units), 0),
+                learnt=any(p is q for q in policies.learnt.get(key, ())),
+            )
+            for p, r in zip(governing, readings, strict=True)
         ],
         reserved=max(state.reserved, 0),
         running=max(state.running, 0),
@@ -323,53 +364,56 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
     from dispatcher import liveness
-    from dispatcher.models import KeyState
+    from dispatcher.models import Attempt, KeyState
 
     now = now or db_now()
-    if call.status not in ("pending", "dispatched", "running"):
+    if call.status not in (call.Status.PENDING, call.Status.DISPATCHED, call.Status.RUNNING):
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
     stalled = liveness.stall(call, liveness.read(now))
-    if call.status != "pending":
+    if call.status != call.Status.PENDING:
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
     policies = policies or limiter.Policies.load()
     reasons: list[WaitReason] = []
     if call.run_at and call.run_at > now:
         when = format_moment(call.run_at, now)
         last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
-        if last == "rate_limited":
-            reasons.append(WaitReason("deferred", f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
+        if last == Attempt.Outcome.RATE_LIMITED:
+            reasons.append(WaitReason(WaitKind.DEFERRED, f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
         elif last is not None:
             reasons.append(WaitReason(
-                "backoff",
+                WaitKind.BACKOFF,
                 f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try at {when}",
                 call.run_at,
             ))
         else:
-            reasons.append(WaitReason("run_at", f"scheduled: run_at is {when}", call.run_at))
+            reasons.append(WaitReason(WaitKind.RUN_AT, f"scheduled: run_at is {when}", call.run_at))
     keys = parse_key_set(call.key_set)
     states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
     for key in keys:
-        verdict = limiter.check_key(key, _key_state(key, states), now, policies, for_start=False)
+        verdict = limiter.check_key(
+            key, _key_state(key, states), now, policies, for_start=False, cost=call.cost_of(key)
+        )
         if not verdict.blocked:
             continue
-        if verdict.reason == "paused":
+        if verdict.kind == limiter.Hold.PAUSED:
             state = states.get(key)
             reasons.append(WaitReason(
-                "paused", f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
+                WaitKind.PAUSED,
+                f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
                 verdict.until, key,
             ))
-        elif verdict.reason.startswith("concurrency"):
+        elif verdict.kind == limiter.Hold.CONCURRENCY:
             reasons.append(WaitReason(
-                "concurrency",
+                WaitKind.CONCURRENCY,
                 f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
                 None,
                 key,
             ))
         else:
             frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
-            learnt = {f"{p.limit} per {format_duration(p.period)} used" for p in policies.learnt.get(key, ())}
+            learnt = {f"{p.label()} used" for p in policies.learnt.get(key, ())}
             source = " (a limit the API announced)" if verdict.reason in learnt else ""
-            reasons.append(WaitReason("rate", f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
+            reasons.append(WaitReason(WaitKind.RATE, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
     elif any(r.until is None for r in reasons):
@@ -380,7 +424,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:
-    """Return (minute, starts) for each of the last ``minutes`` minutes of a key, oldest first."""
+    """Return (minute, units started) for each of the last ``minutes`` minutes of a key, oldest first."""
     from dispatcher.models import KeyStart
 
     now = now or db_now()
@@ -391,7 +435,7 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
         for row in KeyStart.objects.filter(key=key, started_at__gte=start)
         .annotate(minute=TruncMinute("started_at"))
         .values("minute")
-        .annotate(n=Count("id"))
+        .annotate(n=Sum("units"))
         .order_by()
     }
     return [(start + timedelta(minutes=i), counts.get(start + timedelta(minutes=i), 0)) for i in range(minutes)]

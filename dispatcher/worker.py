@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from django.db import InterfaceError, OperationalError, connection
 
 from dispatcher.conf import dispatcher_settings
+from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
 from dispatcher.registry import get_handler
@@ -80,6 +81,20 @@ def execute(call_id: int, dispatch_no: int) -> str:
     call, attempt = started.call, started.attempt
     assert call is not None and attempt is not None
     log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
+    take_reported()  # a cost reported by an earlier call of this thread is not this call's
+    try:
+        return _run(call, attempt, started.capped)
+    finally:
+        reported = take_reported()
+        if reported is not None:
+            deltas = _record(CallQueue.objects.correct_cost, call, reported)
+            log.info("run_cost_corrected call=%s change=%s", call.id, deltas)
+
+
+def _run(call: Any, attempt: Any, capped: bool) -> str:
+    """Run the handler of a started call and record its outcome."""
+    from dispatcher.models import CallQueue
+
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys):  # the keys an API's rate-limit signals apply to
@@ -93,17 +108,17 @@ def execute(call_id: int, dispatch_no: int) -> str:
     except (PermanentError, UnknownMethod) as exc:
         _record(
             CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=True, wake=started.capped,
+            permanent=True, wake=capped,
         )
         log.info("run_failed call=%s error=%r", call.id, exc)
         return "failed"
     except Exception as exc:
         _record(
             CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=False, wake=started.capped,
+            permanent=False, wake=capped,
         )
         log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
         return "error"
-    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result), wake=started.capped)
+    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result), wake=capped)
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
     return "done"

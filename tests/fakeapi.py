@@ -19,6 +19,53 @@ class Arrival:
     path: str
     tenant: str
     call: str
+    units: int = 1
+
+
+class Window:
+    """Refuses a request whose units would make more than ``limit`` in the last ``period`` seconds."""
+
+    def __init__(self, limit: int, period: float) -> None:
+        self.limit, self.period = limit, period
+        self.recent: deque = deque()
+
+    def admit(self, now: float, units: int) -> float | None:
+        while self.recent and self.recent[0][0] <= now - self.period:
+            self.recent.popleft()
+        if sum(u for _, u in self.recent) + units > self.limit:
+            return max(0.05, self.recent[0][0] + self.period - now)
+        self.recent.append((now, units))
+        return None
+
+
+class Bucket:
+    """A token bucket: ``rate`` tokens per second up to ``burst``; a request takes its units."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.last = float(burst), None
+
+    def admit(self, now: float, units: int) -> float | None:
+        if self.last is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < units:
+            return (units - self.tokens) / self.rate
+        self.tokens -= units
+        return None
+
+
+class Smooth:
+    """Refuses any request closer than ``interval`` seconds to the last one it admitted."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval, self.last = interval, None
+
+    def admit(self, now: float, units: int) -> float | None:
+        if self.last is not None and now - self.last < self.interval:
+            return self.interval - (now - self.last)
+        self.last = now
+        return None
 
 
 @dataclass
@@ -35,7 +82,13 @@ class FakeAPI:
     """
 
     enforce: tuple[int, float] | None = None
+    # Per first path segment, a policy enforced on arrival (Window, Bucket, Smooth); the units
+    # of a request are its X-Cost header (default 1).
+    shapes: dict = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     arrivals: list[Arrival] = field(default_factory=list)
+    # The arrivals a shape admitted (the others were answered 429).
+    answered: list[Arrival] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     recent: deque = field(default_factory=deque)
@@ -90,10 +143,22 @@ class FakeAPI:
         parts = urlsplit(req.path)
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         segments = [s for s in parts.path.split("/") if s]
+        units = int(req.headers.get("x-cost") or 1)
         with self.lock:
-            self.arrivals.append(Arrival(now, parts.path, req.headers.get("x-tenant", ""), req.headers.get("x-call", "")))
+            self.arrivals.append(
+                Arrival(now, parts.path, req.headers.get("x-tenant", ""), req.headers.get("x-call", ""), units)
+            )
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            shape = self.shapes.get(segments[0] if segments else "")
+            if shape is not None:
+                wait = shape.admit(now, units)
+                if wait is not None:
+                    self.refused[segments[0]] += 1
+                    self.rejected_429 += 1
+                    self.in_flight -= 1
+                    return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": f"{wait:.3f}"})
+                self.answered.append(self.arrivals[-1])
             if self.enforce is not None:
                 limit, period = self.enforce
                 while self.recent and self.recent[0] <= now - period:

@@ -8,7 +8,8 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
 
@@ -122,6 +123,13 @@ def test_detail_shows_redacted_params_result_error_traceback_and_attempts(operat
     assert 'name="_save"' not in page  # read-only: no save button
 
 
+def test_detail_shows_the_calls_cost(viewer):
+    costly = CallQueue.objects.send("noop", {}, keys=["api", "tenant:1"], cost={"api": 5})
+    plain = CallQueue.objects.send("noop", {}, keys=["api"])
+    assert "api: 5, tenant:1: 1" in viewer.get(f"{CALLS}{costly.id}/change/").content.decode()
+    assert "1 unit per key" in viewer.get(f"{CALLS}{plain.id}/change/").content.decode()
+
+
 @pytest.mark.parametrize("reason", ["run_at", "backoff", "deferred", "paused", "rate", "concurrency"])
 def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
     now = db_now()
@@ -142,7 +150,7 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
         expected = ["key api is paused (maintenance) until 20", "UTC (in 5 min)"]
     elif reason == "rate":
         RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
-        KeyStart.objects.create(key="api", started_at=now - timedelta(seconds=30))
+        log_starts("api", [now - timedelta(seconds=30)])
         call = send()
         expected = ["key api: 1 per 1m used; next slot frees at 20", "UTC (in 30 s)"]
     else:
@@ -227,6 +235,8 @@ def test_a_policy_is_created_with_a_written_period(operator):
         ({"period": "soon"}, "not a duration"),
         ({"period": ""}, "This field is required"),
         ({"concurrency": "0"}, "greater than or equal to 1"),
+        ({"burst": "0"}, "greater than or equal to 1"),
+        ({"burst": "2", "limit": "20000000", "period": "1s"}, "microsecond"),
         ({"key": "a*b"}, "may only end a pattern"),
         ({"key": ""}, "This field is required"),
     ],
@@ -236,6 +246,14 @@ def test_bad_policies_are_refused_with_a_message(operator, overrides, message):
     assert response.status_code == 200
     assert message in response.content.decode()
     assert not RateLimit.objects.exists()
+
+
+def test_a_bucket_is_created_with_its_burst_and_listed_as_one(operator):
+    response = operator.post(f"{LIMITS}add/", policy_form(limit="2", period="1s", burst="40"))
+    assert response.status_code == 302
+    assert RateLimit.objects.get().burst == 40
+    rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
+    assert rows["api"][1:3] == ["2 per 1s, burst 40", "0/40"]
 
 
 def test_a_second_policy_with_the_same_key_and_period_is_refused(operator):
@@ -249,8 +267,8 @@ def test_policy_list_shows_live_usage(operator):
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     RateLimit.objects.set_policy("tenant:*", 4, timedelta(minutes=1))
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=now - timedelta(seconds=s)) for s in (50, 20, 10)])
-    KeyStart.objects.create(key="tenant:9", started_at=now - timedelta(seconds=5))
+    log_starts("api", [now - timedelta(seconds=s) for s in (50, 20, 10)])
+    log_starts("tenant:9", [now - timedelta(seconds=5)])
     KeyState.objects.update_or_create(key="api", defaults={"running": 1})
     send(created_at=now - timedelta(minutes=3))
     send(keys=["tenant:9"])
@@ -331,7 +349,7 @@ def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     now = db_now()
     # Seven starts inside one minute, two minutes ago (not straddling a minute's edge).
     minute = now.replace(second=30, microsecond=0) - timedelta(minutes=2)
-    KeyStart.objects.bulk_create([KeyStart(key="api", started_at=minute - timedelta(seconds=s)) for s in range(7)])
+    log_starts("api", [minute - timedelta(seconds=s) for s in range(7)])
     for _ in range(25):
         send()
     page = viewer.get(DASHBOARD).content.decode()
@@ -371,7 +389,7 @@ def test_dashboard_splits_bars_into_done_error_and_429(viewer):
     for outcome in ("done", "done", "error", "rate_limited"):
         call = send()
         Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
-        KeyStart.objects.create(key="api", started_at=now - timedelta(minutes=3))
+        log_starts("api", [now - timedelta(minutes=3)])
     page = viewer.get(DASHBOARD).content.decode()
     assert '<rect class="seg seg-done"' in page and 'data-n="2"' in page
     assert page.count('<rect class="seg seg-error"') == 1 and page.count('<rect class="seg seg-429"') == 1
@@ -380,7 +398,7 @@ def test_dashboard_splits_bars_into_done_error_and_429(viewer):
 
 def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer):
     RateLimit.objects.set_policy("full", 1, timedelta(hours=1))
-    KeyStart.objects.create(key="full", started_at=db_now())
+    log_starts("full", [db_now()])
     for _ in range(3):
         send(keys=["busy"])
     send(keys=["quiet"])
@@ -422,7 +440,7 @@ def test_admin_index_links_the_dashboard(viewer):
 
 def test_next_try_shows_when_a_limit_lets_the_call_start(operator):
     RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
-    KeyStart.objects.create(key="api", started_at=db_now() - timedelta(minutes=1))
+    log_starts("api", [db_now() - timedelta(minutes=1)])
     send()
     row = operator.get(CALLS).content.decode()
     assert "UTC (in 59 min) (limit of api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
@@ -488,7 +506,7 @@ def test_call_page_buttons_need_the_change_permission(viewer):
 
 def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator):
     RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
-    KeyStart.objects.create(key="api", started_at=db_now() - timedelta(minutes=30))
+    log_starts("api", [db_now() - timedelta(minutes=30)])
     call = send(run_at=db_now() + timedelta(minutes=5))
     text = run_action(operator, CALLS, "retry_now", [call.id]).content.decode()
     assert "1 call is due now." in text

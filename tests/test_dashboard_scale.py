@@ -10,7 +10,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from tests.starts import log_starts
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres, pytest.mark.slow]
 
@@ -31,16 +32,19 @@ def populate(keys: int = KEYS, calls: int = CALLS) -> None:
     created = CallQueue.objects.send_many(rows)
     finished = created[: calls * 2 // 3]
     outcomes = ["done"] * 8 + ["error", "rate_limited"]
-    attempts, starts = [], []
+    attempts: list = []
+    starts: dict[str, list] = {}
     for call in finished:
         started = now - timedelta(seconds=rng.randint(1, 3500))
         outcome = rng.choice(outcomes)
         attempts.append(Attempt(call=call, number=1, started_at=started, finished_at=started, outcome=outcome))
-        starts.append(KeyStart(key=call.keys[0], started_at=started))
+        starts.setdefault(call.keys[0], []).append(started)
     Attempt.objects.bulk_create(attempts)
-    KeyStart.objects.bulk_create(starts)
+    for key, times in starts.items():
+        log_starts(key, times)
     CallQueue.objects.filter(id__in=[c.id for c in finished]).update(status="done", finished_at=now)
-    KeyState.objects.bulk_create([KeyState(key=f"tenant:{i:03d}", running=1) for i in range(0, keys, 7)])
+    for i in range(0, keys, 7):
+        KeyState.objects.update_or_create(key=f"tenant:{i:03d}", defaults={"running": 1})
 
 
 def test_dashboard_of_300_keys_renders_in_under_half_a_second():

@@ -8,8 +8,9 @@ import pytest
 from django.contrib.auth.models import User
 
 from dispatcher import report_rate_limit
-from dispatcher.models import CallQueue, KeyStart, RateLimit
+from dispatcher.models import CallQueue, RateLimit
 from dispatcher.status import explain_call, key_statuses
+from tests.starts import log_starts
 from tests.test_metrics import samples
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -22,7 +23,7 @@ def learnt_and_full():
     RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=2))
     report_rate_limit(limit=2, window=60, remaining=5, reset=30, key="partner")
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key="partner", started_at=now - timedelta(seconds=1)) for _ in range(2)])
+    log_starts("partner", [now - timedelta(seconds=1)] * 2)
     return CallQueue.objects.send("greet", {"name": "a"}, keys=["partner"])
 
 

@@ -1,9 +1,10 @@
-"""A model check of the limiter: random sends, dispenses, starts, finishes, 429s, pauses and
-policy edits on a controlled clock, with the invariants checked after every step."""
+"""A model check of the limiter: random sends (with costs), dispenses, starts, finishes, 429s,
+cost corrections, pauses and edits of window and bucket policies on a controlled clock, with the
+invariants checked after every step."""
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime, timedelta
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -17,8 +18,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from dispatcher import limiter
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher import CostNeverFits, limiter
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.policies import TokenBucket
 
 KEY_SETS = [["a"], ["b"], ["a", "b"], ["p:1"], ["p:2", "a"]]
 KEYS = sorted({k for ks in KEY_SETS for k in ks})
@@ -58,26 +60,37 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         def __init__(self) -> None:
             super().__init__()
-            for model in (Attempt, CallQueue, KeyStart, KeyState, RateLimit):
+            for model in (Attempt, CallQueue, KeyStart, KeyState, RateLimit, KeyBucket):
                 model.objects.all().delete()
             clock.now = datetime(2030, 1, 1, tzinfo=UTC)
             self.sent: set[int] = set()
             self.messages: list[tuple[int, int]] = []
             self.running: dict[int, tuple[CallQueue, Attempt]] = {}
-            self.starts: dict[str, list[datetime]] = {k: [] for k in KEYS}
+            # Per key: [start time, units, call id] of every start, as the model saw it.
+            self.starts: dict[str, list[list]] = {k: [] for k in KEYS}
             self.finished: dict[int, str] = {}
+            # How many starts each key had when the policies were last edited: a bucket's promise
+            # runs from there (by position: starts at one instant may come before and after an edit).
+            self.edited_at = dict.fromkeys(KEYS, 0)
 
         @initialize()
         def some_policies(self) -> None:
             RateLimit.objects.set_policy("a", 3, timedelta(seconds=2), concurrency=2)
             RateLimit.objects.set_policy("p:*", 2, timedelta(seconds=1))
+            RateLimit.objects.set_policy("b", 2, timedelta(seconds=2), burst=3)
 
         # --- actions -------------------------------------------------------------------
 
-        @rule(which=st.integers(0, len(KEY_SETS) - 1), n=st.integers(1, 4), priority=st.integers(-1, 1))
-        def send(self, which: int, n: int, priority: int) -> None:
+        @rule(which=st.integers(0, len(KEY_SETS) - 1), n=st.integers(1, 4), priority=st.integers(-1, 1),
+              cost=st.sampled_from([None, None, 1, 2, 3]))
+        def send(self, which: int, n: int, priority: int, cost: int | None) -> None:
             for _ in range(n):
-                call = CallQueue.objects.send("noop", {}, keys=KEY_SETS[which], priority=priority, max_attempts=2)
+                try:
+                    call = CallQueue.objects.send(
+                        "noop", {}, keys=KEY_SETS[which], priority=priority, max_attempts=2, cost=cost
+                    )
+                except CostNeverFits:
+                    continue  # nothing stored
                 self.sent.add(call.id)
 
         @rule(ms=st.sampled_from([0, 1, 100, 400, 999, 1000, 1001, 2500, 6000, 11000]))
@@ -109,14 +122,37 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             now = clock.now
             policies = limiter.Policies.load()
             for key in call.keys:
-                self.starts[key].append(now)
+                self.starts[key].append([now, call.cost_of(key), call.id])
                 for policy in policies.for_key(key):
-                    in_window = sum(1 for t in self.starts[key] if now - policy.period <= t <= now)
-                    assert in_window <= policy.limit, f"{key}: {in_window} starts in {policy.period}, limit {policy.limit}"
+                    if isinstance(policy, TokenBucket):
+                        self.check_bucket(key, policy)
+                        continue
+                    in_window = sum(u for t, u, _ in self.starts[key] if now - policy.period <= t <= now)
+                    assert in_window <= policy.limit, f"{key}: {in_window} units in {policy.period}, limit {policy.limit}"
                 caps = [p.concurrency for p in policies.for_key(key) if p.concurrency]
                 if caps:
                     busy = sum(1 for c, _ in self.running.values() if key in c.keys)
                     assert busy <= min(caps), f"{key}: {busy} running, concurrency {min(caps)}"
+
+        def check_bucket(self, key: str, policy: TokenBucket) -> None:
+            """Every run of starts since the last edit fits the burst plus what refilled meanwhile."""
+            starts = [(t, u) for t, u, _ in self.starts[key][self.edited_at[key]:]]
+            rate = Fraction(policy.limit, policy.period // timedelta(microseconds=1))
+            for i in range(len(starts)):
+                units = 0
+                for j in range(i, len(starts)):
+                    units += starts[j][1]
+                    refilled = rate * ((starts[j][0] - starts[i][0]) // timedelta(microseconds=1))
+                    assert units <= policy.burst + refilled, f"{key}: {units} units beyond {policy.explain()}"
+
+        @rule(which=st.integers(0, len(KEY_SETS) - 1), cost=st.sampled_from([None, 2]))
+        def rush(self, which: int, cost: int | None) -> None:
+            """Calls sent, claimed and all started at one instant, twice: a greedy client."""
+            self.send(which, 4, 0, cost)
+            for _ in range(2):
+                self.dispense(6)
+                while self.messages:
+                    self.deliver(0, False)
 
         @precondition(lambda self: self.messages)
         @rule(index=st.integers(0, 50))
@@ -124,12 +160,21 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             self.messages.pop(index % len(self.messages))
 
         @precondition(lambda self: self.running)
-        @rule(index=st.integers(0, 50), outcome=st.sampled_from(["done", "error", "permanent", "429", "429-key"]))
+        @rule(index=st.integers(0, 50),
+              outcome=st.sampled_from(["done", "done-refund", "error", "permanent", "429", "429-key"]))
         def finish(self, index: int, outcome: str) -> None:
             call_id = sorted(self.running)[index % len(self.running)]
             call, attempt = self.running.pop(call_id)
             if outcome == "done":
                 CallQueue.objects.finish_done(call, attempt, {"ok": True})
+            elif outcome == "done-refund":
+                # The handler reports it used nothing: every key's usage gives the units back.
+                CallQueue.objects.finish_done(call, attempt, {"ok": True})
+                CallQueue.objects.correct_cost(call, 0)
+                for key in call.keys:
+                    for entry in self.starts[key]:
+                        if entry[2] == call.id and entry[0] == call.started_at:
+                            entry[1] = 0
             elif outcome in ("error", "permanent"):
                 CallQueue.objects.finish_error(call, attempt, "boom", "", permanent=outcome == "permanent")
             else:
@@ -144,13 +189,16 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
                 self.running.pop(call_id, None)
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]), limit=st.integers(1, 4),
-              period=st.sampled_from(PERIODS), concurrency=st.sampled_from([None, 1, 2, 3]))
-        def set_policy(self, key: str, limit: int, period: int, concurrency: int | None) -> None:
-            RateLimit.objects.set_policy(key, limit, timedelta(seconds=period), concurrency)
+              period=st.sampled_from(PERIODS), concurrency=st.sampled_from([None, 1, 2, 3]),
+              burst=st.sampled_from([None, None, 1, 2, 4]))
+        def set_policy(self, key: str, limit: int, period: int, concurrency: int | None, burst: int | None) -> None:
+            RateLimit.objects.set_policy(key, limit, timedelta(seconds=period), concurrency, burst=burst)
+            self.edited_at = {k: len(starts) for k, starts in self.starts.items()}
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]))
         def delete_policy(self, key: str) -> None:
             RateLimit.objects.filter(key=key).delete()
+            self.edited_at = {k: len(starts) for k, starts in self.starts.items()}
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:2"]), seconds=st.sampled_from([1, 3]))
         def pause(self, key: str, seconds: int) -> None:
@@ -182,12 +230,19 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         @invariant()
         def key_state_counters_equal_the_truth(self) -> None:
-            truth = {k: [0, 0] for k in KEYS}
-            for keys, status in CallQueue.objects.in_flight().values_list("key_set", "status"):
-                for key in json.loads(keys):
-                    truth[key][0 if status == "dispatched" else 1] += 1
+            truth = {k: [0, 0, 0, 0] for k in KEYS}
+            for call in CallQueue.objects.in_flight():
+                for key in call.keys:
+                    if call.status == "dispatched":
+                        truth[key][0] += 1
+                        truth[key][2] += call.cost_of(key)
+                    else:
+                        truth[key][1] += 1
+            for key, starts in self.starts.items():
+                truth[key][3] = sum(u for _, u, _ in starts)
             for state in KeyState.objects.exclude(key__endswith="*"):
-                assert [state.reserved, state.running] == truth.get(state.key, [0, 0]), state.key
+                counters = [state.reserved, state.running, state.reserved_units, state.total]
+                assert counters == truth.get(state.key, [0, 0, 0, 0]), state.key
 
         @invariant()
         def attempts_are_honest(self) -> None:
@@ -205,8 +260,8 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
         def no_window_holds_more_starts_than_the_log_allows(self) -> None:
             # The limiter's own log agrees with the starts the model saw.
             for key in KEYS:
-                logged = sorted(KeyStart.objects.filter(key=key).values_list("started_at", flat=True))
-                assert logged == sorted(self.starts[key]), key
+                logged = list(KeyStart.objects.filter(key=key).order_by("cum").values_list("started_at", "units"))
+                assert logged == [(t, u) for t, u, _ in self.starts[key]], key
 
     return LimiterModel
 

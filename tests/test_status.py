@@ -10,7 +10,8 @@ from django.core.management import call_command
 
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
 
@@ -25,7 +26,7 @@ def send(keys: list[str], **fields) -> CallQueue:
 
 def starts(key: str, *ages_seconds: float) -> None:
     now = db_now()
-    KeyStart.objects.bulk_create([KeyStart(key=key, started_at=now - timedelta(seconds=a)) for a in ages_seconds])
+    log_starts(key, [now - timedelta(seconds=a) for a in ages_seconds])
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def busy_key():
     """Key 'api': 3 per minute, concurrency 2; 2 starts in the window, 1 before; 1 reserved; 4 waiting."""
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     starts("api", 40, 10, 500)
-    KeyState.objects.update_or_create(key="api", defaults={"reserved": 1})
+    KeyState.objects.update_or_create(key="api", defaults={"reserved": 1, "reserved_units": 1})
     now = db_now()
     calls = [send(["api"], created_at=now - timedelta(seconds=age)) for age in (300, 120, 60)]
     calls.append(send(["api"], run_at=now + timedelta(hours=1)))
@@ -49,8 +50,9 @@ def test_key_status_counts_window_flight_and_backlog(busy_key):
     # 2 started + 1 reserved fill the 3 per minute: blocked until the start 40 s ago leaves the window.
     assert status.blocked and "3 per 1m used" in status.blocked_reason
     assert 15 <= (status.next_free_at - status.now).total_seconds() <= 21
-    # No room now; 4 waiting need ceil(4 / 3) = 2 more windows of a minute.
-    assert status.drain_time == timedelta(minutes=2)
+    # No room now; 4 waiting need ceil(4 / 3) = 2 more windows of a minute (each counted with
+    # the 20 ms DISPATCHER_ARRIVAL_GUARD).
+    assert status.drain_time == timedelta(minutes=2, milliseconds=40)
 
 
 def test_key_statuses_lists_keys_worth_showing_only(busy_key):
@@ -143,9 +145,12 @@ def test_dispatcher_status_json_matches_the_known_state(busy_key):
     data = json.loads(out.getvalue())
     (api,) = data["keys"]
     assert api["key"] == "api" and api["governed_by"] == "api"
-    assert api["policies"] == [{"policy_key": "api", "limit": 3, "period_seconds": 60.0, "used": 2, "utilisation": 0.6667}]
+    assert api["policies"] == [{
+        "policy_key": "api", "shape": "window", "limit": 3, "period_seconds": 60.0, "burst": None,
+        "explain": "3 per 1m (sliding window: at most 3 in any 1m)", "used": 2, "capacity": 3, "utilisation": 0.6667,
+    }]
     assert (api["concurrency"], api["in_flight"], api["reserved"], api["running"]) == (2, 1, 1, 0)
-    assert (api["waiting"], api["due"], api["room"], api["drain_seconds"]) == (4, 3, 0, 120.0)
+    assert (api["waiting"], api["due"], api["room"], api["drain_seconds"]) == (4, 3, 0, 120.04)
     assert api["paused_until"] is None and api["blocked_reason"] == "3 per 1m used"
     assert 295 <= api["oldest_wait_seconds"] <= 330
     assert api["next_free_at"] > data["now"]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dispatcher import PermanentError, handler
+import httpx
+
+from dispatcher import PermanentError, RateLimited, handler, report_cost
 
 
 def _check_greeting(params: dict[str, Any]) -> None:
@@ -46,3 +48,25 @@ def slow_down(retry_after: Any = None, huge: bool = False) -> None:
     from dispatcher import RateLimited
 
     raise RateLimited(retry_after=10**400 if huge else float(retry_after))
+
+
+@handler("complete", keys=["llm"], cost=lambda params: params.get("max_tokens", 1))
+def complete(max_tokens: int = 1, used: int | None = None, **params: Any) -> dict[str, int]:
+    """An LLM-style call: charged its max_tokens up front, then reports the tokens it used."""
+    if used is not None:
+        report_cost(used)
+    return {"used": used if used is not None else max_tokens}
+
+
+# Built when the module is imported (before the first call's start is recorded, in every worker
+# process): building a client loads TLS settings, which takes tens of milliseconds.
+_client = httpx.Client(timeout=10, trust_env=False)
+
+
+@handler("pooled_get")
+def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int]:
+    """GET through one connection pool per process: what the http handler does with a pooled client."""
+    response = _client.get(url, headers=headers or {})
+    if response.status_code == 429:
+        raise RateLimited(float(response.headers.get("retry-after", "1")))
+    return {"status": response.status_code}

@@ -64,6 +64,11 @@ class Command(BaseCommand):
         set_.add_argument("key", help="an exact key, or a pattern ending in '*'")
         set_.add_argument("--limit", required=True, help="calls per period (at least 1)")
         set_.add_argument("--per", required=True, help="the period, e.g. 500ms, 2s, 5m, 1h, 1d")
+        set_.add_argument(
+            "--burst", default=None,
+            help="make it a token bucket this deep, refilling at LIMIT per period (1: evenly spaced calls); "
+            "without it, a sliding window",
+        )
         set_.add_argument("--concurrency", default=None, help="most calls in flight at once")
         list_ = sub.add_parser("list", help="list the policies and pauses")
         list_.add_argument("--json", action="store_true", dest="as_json", help="print JSON")
@@ -81,15 +86,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, action: str, **options: Any) -> None:
         getattr(self, f"do_{action}")(**options)
 
-    def do_set(self, key: str, limit: str, per: str, concurrency: str | None, **_: Any) -> None:
+    def do_set(self, key: str, limit: str, per: str, concurrency: str | None, burst: str | None, **_: Any) -> None:
         from dispatcher.models import RateLimit
+        from dispatcher.policies import PolicyError
 
         key = _key(key)
         limit_value = _positive_int("--limit")(limit)
         period = _duration("--per")(per)
         cap = _positive_int("--concurrency")(concurrency) if concurrency is not None else None
-        policy = RateLimit.objects.set_policy(key, limit_value, period, cap)
-        self.stdout.write(f"set {policy}")
+        depth = _positive_int("--burst")(burst) if burst is not None else None
+        try:
+            policy = RateLimit.objects.set_policy(key, limit_value, period, cap, burst=depth)
+        except PolicyError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"set {policy}: {policy.as_policy().explain()}")
 
     def do_list(self, as_json: bool = False, **_: Any) -> None:
         from dispatcher.clock import db_now
@@ -101,7 +111,10 @@ class Command(BaseCommand):
         if as_json:
             self.stdout.write(json.dumps({
                 "policies": [
-                    {"key": p.key, "limit": p.limit, "period_seconds": p.period.total_seconds(), "concurrency": p.concurrency}
+                    {
+                        "key": p.key, "shape": p.as_policy().shape, "limit": p.limit,
+                        "period_seconds": p.period.total_seconds(), "burst": p.burst, "concurrency": p.concurrency,
+                    }
                     for p in policies
                 ],
                 "pauses": [{"key": s.key, "paused_until": s.paused_until.isoformat(), "reason": s.pause_reason} for s in pauses],
@@ -110,8 +123,10 @@ class Command(BaseCommand):
         if not policies:
             self.stdout.write("no policies")
         for p in policies:
+            burst = f"  burst {p.burst}" if p.burst else ""
             cap = f"  concurrency {p.concurrency}" if p.concurrency else ""
-            self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8}{cap}")
+            shape = p.as_policy().shape
+            self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8} {shape:<6}{burst}{cap}")
         now = db_now()
         for s in pauses:
             reason = f" ({s.pause_reason})" if s.pause_reason else ""

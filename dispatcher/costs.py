@@ -1,0 +1,76 @@
+"""A call's cost in units per key: checked at send(), reported by a handler after it ran."""
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from dispatcher.exceptions import InvalidCost
+
+MAX_UNITS = 2**31 - 1
+
+_reported: contextvars.ContextVar[Any] = contextvars.ContextVar("dispatcher_reported_cost", default=None)
+
+
+def _units(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidCost(f"{what} must be a whole number of units, not {value!r}")
+    if not 1 <= value <= MAX_UNITS:
+        raise InvalidCost(f"{what} must be between 1 and {MAX_UNITS} units, not {value}")
+    return value
+
+
+def clean_cost(
+    cost: Any, keys: Sequence[str], params: Mapping[str, Any], computed: Callable[[dict[str, Any]], Any] | None
+) -> dict[str, int] | None:
+    """Return the units per key of a call ({key: units}, None when every key costs 1); raise InvalidCost if bad.
+
+    ``cost`` is an int charged to every key or a dict naming some of the call's keys (the
+    others cost 1); without it, the handler's ``cost`` callable decides from the params.
+    """
+    if cost is None and computed is not None:
+        try:
+            cost = computed(dict(params))
+        except InvalidCost:
+            raise
+        except Exception as exc:  # the handler's cost function must not store a bad call either
+            raise InvalidCost(f"the handler's cost function failed: {type(exc).__name__}: {exc}") from exc
+    if cost is None:
+        return None
+    if isinstance(cost, Mapping):
+        unknown = sorted(str(k) for k in cost if k not in keys)
+        if unknown:
+            raise InvalidCost(f"cost names key(s) the call does not have: {', '.join(unknown)}; its keys: {list(keys)}")
+        units = {key: _units(cost[key], f"cost of key {key!r}") if key in cost else 1 for key in keys}
+    else:
+        units = {key: _units(cost, "cost") for key in keys}
+        if not keys:
+            _units(cost, "cost")
+    return units if any(u != 1 for u in units.values()) else None
+
+
+def report_cost(units: int | Mapping[str, int]) -> None:
+    """Tell the dispatcher what the running call really cost (an int for every key, or {key: units}).
+
+    Called from a handler while it runs (for example with the tokens an API says it used);
+    once the call is recorded, its keys' usage is corrected to this figure. Zero is allowed.
+    """
+    if isinstance(units, Mapping):
+        for key, value in units.items():
+            _reported_units(value, f"reported cost of {key!r}")
+        _reported.set(dict(units))
+    else:
+        _reported_units(units, "reported cost")
+        _reported.set(units)
+
+
+def _reported_units(value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_UNITS:
+        raise InvalidCost(f"{what} must be a whole number between 0 and {MAX_UNITS}, not {value!r}")
+
+
+def take_reported() -> Any:
+    """Return the cost the handler reported for the call that just ran (None if none), and forget it."""
+    value = _reported.get()
+    _reported.set(None)
+    return value

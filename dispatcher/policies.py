@@ -1,0 +1,331 @@
+"""Rate policy shapes as pure objects: a sliding window and a token bucket (GCRA).
+
+Every module that needs to know whether a key has room, when room returns, what a start
+changes or how to describe a policy asks one of these objects; none of them touches the
+database. Times are ``datetime``; all arithmetic is done in whole microseconds (the database
+clock's resolution), rounding towards the safe side, so no shape ever admits more than its
+allowance.
+
+A guard (``DISPATCHER_ARRIVAL_GUARD``) absorbs the spread between a recorded start and the
+request's arrival at the API: a window counts over ``period + guard``; a bucket gives up
+``ceil(guard / interval)`` of its burst (capped so one unit still fits) and lengthens its
+interval by what the burst could not absorb. See ``effective`` of each shape for the proof
+sketch and docs/policies.md for the cost in throughput.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from fractions import Fraction
+from typing import ClassVar
+
+US = timedelta(microseconds=1)
+
+
+def _us(value: timedelta) -> int:
+    return value // US
+
+
+def _ceil_us(value: Fraction) -> timedelta:
+    return timedelta(microseconds=math.ceil(value))
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be stored: a bad limit, period, burst or concurrency."""
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What storage says about one policy of one key at one instant.
+
+    ``used``: units counted against a window now; ``tat``: a bucket's theoretical arrival
+    time (None: a full bucket); ``leaves_at(n)``: when the n-th oldest unit in a window leaves
+    it (read lazily, only when a window is full).
+    """
+
+    used: int = 0
+    tat: datetime | None = None
+    leaves_at: Callable[[int], datetime | None] | None = None
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What every shape shares: the key it was set on, its rate and an optional concurrency cap."""
+
+    shape: ClassVar[str] = ""
+    key: str
+    limit: int
+    period: timedelta
+    concurrency: int | None = None
+    guard: timedelta = field(default=timedelta(0), compare=False)
+
+    # --- the operations every shape answers ----------------------------------------------------
+
+    def capacity(self) -> int:
+        """Return the most units one call may cost and still fit some day."""
+        raise NotImplementedError
+
+    def room(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
+        """Return how many units may start at ``now``, ``reserved`` units being promised already."""
+        raise NotImplementedError
+
+    def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
+        """Return when ``need`` more units fit (None: not known from the reading)."""
+        raise NotImplementedError
+
+    def charge(self, reading: Reading, now: datetime, cost: int) -> datetime | None:
+        """Return the bucket state after a start of ``cost`` units at ``now`` (None for a window)."""
+        return None
+
+    def explain(self) -> str:
+        """Describe the policy in one line."""
+        raise NotImplementedError
+
+    def drain(self, room_now: int, units: int) -> timedelta:
+        """Estimate how long a backlog of ``units`` takes to start, ``room_now`` units fitting now."""
+        raise NotImplementedError
+
+    # --- shared helpers --------------------------------------------------------------------------
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the shape keeps its own state row (a bucket) rather than reading the start log."""
+        return False
+
+    @property
+    def per_minute(self) -> float:
+        """The policy's sustained rate in units per minute (the dashboard's limit line)."""
+        return self.limit * 60 / self.period.total_seconds()
+
+    def label(self) -> str:
+        from dispatcher.durations import format_duration
+
+        return f"{self.limit} per {format_duration(self.period)}"
+
+    def with_guard(self, guard: timedelta) -> Policy:
+        return type(self)(**{**self.__dict__, "guard": guard})
+
+
+@dataclass(frozen=True)
+class SlidingWindow(Policy):
+    """At most ``limit`` units start in any closed interval of length ``period`` (+ guard)."""
+
+    shape: ClassVar[str] = "window"
+
+    @property
+    def span(self) -> timedelta:
+        """The interval counted: arrivals spread by at most the guard then keep ``period``."""
+        return self.period + self.guard
+
+    def capacity(self) -> int:
+        return self.limit
+
+    def room(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
+        return self.limit - reading.used - reserved
+
+    def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
+        must_leave = reading.used + reserved + need - self.limit
+        if must_leave <= 0:
+            return now
+        if must_leave > reading.used:
+            # Units promised to calls not yet started hold the room: they start at the earliest
+            # now, so their slots free one span from now at the earliest.
+            return now + self.span
+        if reading.leaves_at is None:
+            return None
+        oldest = reading.leaves_at(must_leave)
+        return None if oldest is None else oldest + self.span + US
+
+    def explain(self) -> str:
+        return f"{self.label()} (sliding window: at most {self.limit} in any {self._period_text()})"
+
+    def drain(self, room_now: int, units: int) -> timedelta:
+        beyond = units - max(room_now, 0)
+        return self.span * math.ceil(beyond / self.limit) if beyond > 0 else timedelta(0)
+
+    def _period_text(self) -> str:
+        from dispatcher.durations import format_duration
+
+        return format_duration(self.period)
+
+
+@dataclass(frozen=True)
+class TokenBucket(Policy):
+    """Tokens refill at ``limit`` per ``period`` up to ``burst``; a start takes its cost in tokens.
+
+    Kept as GCRA: one timestamp ``tat`` (when the bucket is full again). A start of n units at
+    t is admitted when ``max(tat, t) + n * interval - t <= burst * interval``; it moves ``tat``
+    to ``max(tat, t) + n * interval``. Tokens at t are ``burst - max(tat - t, 0) / interval``.
+    """
+
+    shape: ClassVar[str] = "bucket"
+    burst: int = 1
+
+    # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
+    # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
+    # (n - B) T, what the API's bucket asks, once k T + (1 + k) e >= g. Whole intervals of the
+    # guard come out of the burst (k, no cost in sustained rate); the rest slows the rate (e),
+    # unless that would cost more than GUARD_RATE_SHARE of it and one more token can be held back.
+
+    GUARD_RATE_SHARE: ClassVar[Fraction] = Fraction(1, 20)
+
+    @property
+    def reserve(self) -> int:
+        """Tokens of the burst held back by the guard."""
+        if self.guard <= timedelta(0):
+            return 0
+        g, t = Fraction(_us(self.guard)), self._interval_exact
+        k = min(self.burst - 1, math.floor(g / t))
+        if k + 1 <= self.burst - 1 and self._extra(k) > self.GUARD_RATE_SHARE * t:
+            k += 1
+        return k
+
+    def _extra(self, k: int) -> Fraction:
+        return max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
+
+    @property
+    def _interval_exact(self) -> Fraction:
+        return Fraction(_us(self.period), self.limit)
+
+    @property
+    def interval(self) -> Fraction:
+        """Microseconds per unit as applied: the API's interval, lengthened by what the burst does not absorb."""
+        return self._interval_exact + self._extra(self.reserve)
+
+    @property
+    def depth(self) -> int:
+        """The burst as applied (the API's burst less the guard's reserve)."""
+        return self.burst - self.reserve
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def capacity(self) -> int:
+        return self.depth
+
+    def tokens(self, reading: Reading, now: datetime) -> Fraction:
+        """Return the tokens in the bucket at ``now`` (negative while it owes units)."""
+        owed = max(_us(reading.tat - now), 0) if reading.tat is not None else 0
+        return self.depth - Fraction(owed) / self.interval
+
+    def room(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
+        return math.floor(self.tokens(reading, now)) - reserved
+
+    def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
+        if self.room(reading, now, reserved) >= need:
+            return now
+        base = max(reading.tat, now) if reading.tat is not None else now
+        # The bucket holds ``need + reserved`` tokens once tat - t <= (depth - need - reserved) * interval.
+        return max(now, base - _floor_td((self.depth - need - reserved) * self.interval))
+
+    def charge(self, reading: Reading, now: datetime, cost: int) -> datetime:
+        base = max(reading.tat, now) if reading.tat is not None else now
+        # Rounded up: the bucket refills at most as fast as the policy says.
+        return base + _ceil_us(cost * self.interval)
+
+    def refund(self, tat: datetime | None, now: datetime, units: int) -> datetime | None:
+        """Return the bucket state after ``units`` are given back (negative: charged more)."""
+        if tat is None:
+            return None if units >= 0 else now + _ceil_us(-units * self.interval)
+        if units >= 0:
+            return tat - _floor_td(units * self.interval)
+        return max(tat, now) + _ceil_us(-units * self.interval)
+
+    def rebase(self, tat: datetime | None, now: datetime, new: TokenBucket) -> datetime | None:
+        """Return the state under an edited policy, carrying the units still owed (not the time)."""
+        if tat is None or tat <= now:
+            return tat
+        owed = Fraction(_us(tat - now)) / self.interval
+        return now + _ceil_us(owed * new.interval)
+
+    def explain(self) -> str:
+        if self.burst == 1:
+            return f"{self.label()} (smooth rate: one every {self._interval_text()})"
+        return f"{self.label()} (token bucket)"
+
+    def drain(self, room_now: int, units: int) -> timedelta:
+        beyond = units - max(room_now, 0)
+        return _ceil_us(beyond * self.interval) if beyond > 0 else timedelta(0)
+
+    def label(self) -> str:
+        return f"{super().label()}, burst {self.burst}"
+
+    def _interval_text(self) -> str:
+        return f"{float(self._interval_exact) / 1000:g}ms"
+
+
+def _floor_td(value: Fraction) -> timedelta:
+    return timedelta(microseconds=math.floor(value))
+
+
+def make_policy(
+    key: str,
+    limit: int,
+    period: timedelta,
+    burst: int | None = None,
+    concurrency: int | None = None,
+    guard: timedelta = timedelta(0),
+) -> Policy:
+    """Return the policy object for a stored row: a bucket with a burst, else a sliding window."""
+    if burst is None:
+        return SlidingWindow(key, limit, period, concurrency, guard)
+    return TokenBucket(key, limit, period, concurrency, guard, burst)
+
+
+MAX_INT = 2**31 - 1
+
+
+def validate(limit: object, period: object, burst: object = None, concurrency: object = None) -> None:
+    """Raise a PolicyError if the numbers cannot make a policy."""
+
+    def whole(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+            raise PolicyError(f"{name} must be a whole number between 1 and {MAX_INT}, not {value!r}")
+        return value
+
+    whole("limit", limit)
+    if not isinstance(period, timedelta) or period <= timedelta(0):
+        raise PolicyError(f"period must be a duration greater than zero, not {period!r}")
+    if period < timedelta(milliseconds=1):
+        raise PolicyError(f"period must be at least 1ms, not {period!r}")
+    if concurrency is not None:
+        whole("concurrency", concurrency)
+    if burst is not None:
+        whole("burst", burst)
+        if _us(period) < limit:
+            # A bucket's interval (period / limit) below a microsecond cannot be kept on the clock.
+            raise PolicyError(
+                f"a burst needs a period of at least one microsecond per unit: {limit} per {period} is too fast"
+            )
+
+
+# --- cumulative start log: a window's count as two index probes --------------------------------
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One start in a key's log: when, how many units, and the key's running total after it."""
+
+    at: datetime
+    units: int
+    cum: int
+
+
+def used_from_log(total: int, first_in_window: LogEntry | None) -> int:
+    """Return the units in a window from the key's running total and the window's first entry."""
+    if first_in_window is None:
+        return 0
+    return total - (first_in_window.cum - first_in_window.units)
+
+
+def first_in_window(log: Sequence[LogEntry], since: datetime) -> LogEntry | None:
+    """Return the oldest entry at or after ``since`` (what the database's index probe returns)."""
+    return next((e for e in log if e.at >= since), None)
+
+
+def leaves_at_from_log(log: Sequence[LogEntry], base: int, n: int) -> datetime | None:
+    """Return the start time of the entry holding the n-th unit after ``base`` (the window's start)."""
+    return next((e.at for e in log if e.cum >= base + n), None)

@@ -1,0 +1,197 @@
+"""Token buckets and costs through send(), the claim, the start, the commands and the admin."""
+from __future__ import annotations
+
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from dispatcher import CostNeverFits, InvalidCost
+from dispatcher.limiter import Policies
+from dispatcher.models import CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.status import key_statuses
+from dispatcher.worker import execute
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def claim_all(key_set_text: str, limit: int = 100):
+    return CallQueue.objects.claim(key_set_text, limit, Policies.load())
+
+
+def run_all(claimed) -> list[str]:
+    return [execute(c.id, c.dispatch_no) for c in claimed]
+
+
+# --- policies by command -----------------------------------------------------------------------------
+
+
+def test_ratelimit_set_with_a_burst_makes_a_token_bucket_and_list_shows_it():
+    out = StringIO()
+    call_command("ratelimit", "set", "shop", "--limit", "2", "--per", "1s", "--burst", "40", stdout=out)
+    assert "2 per 1s, burst 40 (token bucket)" in out.getvalue()
+    call_command("ratelimit", "set", "nginx", "--limit", "5", "--per", "1s", "--burst", "1", stdout=out)
+    assert "smooth rate: one every 200ms" in out.getvalue()
+    listed = StringIO()
+    call_command("ratelimit", "list", stdout=listed)
+    assert "bucket  burst 40" in listed.getvalue()
+    listed = StringIO()
+    call_command("ratelimit", "list", "--json", stdout=listed)
+    assert '"shape": "bucket"' in listed.getvalue() and '"burst": 40' in listed.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--limit", "5", "--per", "1s", "--burst", "0"], "--burst must be between 1"),
+        (["--limit", "5", "--per", "1s", "--burst", "-2"], "--burst must be between 1"),
+        (["--limit", "5", "--per", "1s", "--burst", "many"], "--burst must be a whole number"),
+        # One unit every 0.5 microseconds cannot be kept on the database clock.
+        (["--limit", "2000000", "--per", "1s", "--burst", "5"], "microsecond"),
+        (["--limit", "5", "--per", "0s", "--burst", "5"], "--per"),
+    ],
+)
+def test_bad_bucket_policies_are_refused_and_nothing_is_stored(args, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("ratelimit", "set", "api", *args)
+    assert not RateLimit.objects.exists()
+
+
+def test_rate_limits_setting_seeds_a_bucket(settings):
+    settings.DISPATCHER_RATE_LIMITS = [{"key": "shop", "limit": 2, "period": "1s", "burst": 40}]
+    assert RateLimit.objects.seed_from_settings() == 1
+    assert RateLimit.objects.get(key="shop").burst == 40
+
+
+# --- the bucket through claim and start -----------------------------------------------------------
+
+
+def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1), burst=3)
+    for _ in range(5):
+        CallQueue.objects.send("greet", {"name": "ada"})
+    first = claim_all(CallQueue.objects.first().key_set)
+    assert len(first.calls) == 3
+    assert run_all(first.calls) == ["done"] * 3
+    again = claim_all(CallQueue.objects.first().key_set)
+    # The bucket is empty: the next token comes one interval (a minute) after the burst.
+    assert again.calls == [] and again.verdict.blocked
+    assert timedelta(seconds=59) < again.verdict.until - KeyStart.objects.order_by("-cum").first().started_at
+    (bucket,) = KeyBucket.objects.filter(key="greeter")
+    assert bucket.period == timedelta(minutes=1)
+    (status,) = key_statuses(["greeter"])
+    assert (status.policies[0].used, status.policies[0].capacity) == (3, 3)
+
+
+def test_a_pattern_bucket_gives_every_key_its_own_bucket(settings):
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    RateLimit.objects.set_policy("greeter:*", 1, timedelta(minutes=1), burst=2)
+    for name in ("ada", "ada", "ada", "bob", "bob"):
+        CallQueue.objects.send("greet", {"name": name})
+    ada = claim_all(CallQueue.objects.filter(params__name="ada").first().key_set)
+    bob = claim_all(CallQueue.objects.filter(params__name="bob").first().key_set)
+    assert (len(ada.calls), len(bob.calls)) == (2, 2)
+    run_all(ada.calls + bob.calls)
+    assert sorted(KeyBucket.objects.values_list("key", flat=True)) == ["greeter:ada", "greeter:bob"]
+
+
+# --- cost --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cost", "message"),
+    [
+        (0, "between 1"),
+        (-3, "between 1"),
+        (2**31, "between 1"),
+        (2.5, "whole number"),
+        ("3", "whole number"),
+        (True, "whole number"),
+        ({"greeter": 0}, "between 1"),
+        ({"nope": 2}, "does not have: nope"),
+        ([2], "whole number"),
+    ],
+)
+def test_bad_costs_are_refused_and_nothing_is_stored(cost, message):
+    with pytest.raises(InvalidCost, match=message):
+        CallQueue.objects.send("greet", {"name": "ada"}, cost=cost)
+    with pytest.raises(InvalidCost, match=message):
+        CallQueue.objects.send_many([{"method": "greet", "params": {"name": "ada"}, "cost": cost}])
+    assert not CallQueue.objects.exists()
+
+
+def test_a_cost_that_can_never_fit_a_policy_is_refused_at_send():
+    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1))
+    RateLimit.objects.set_policy("greeter:*", 1, timedelta(seconds=1), burst=4)
+    with pytest.raises(CostNeverFits, match="cost 11 on key 'greeter'"):
+        CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 11})
+    with pytest.raises(CostNeverFits, match="greeter:ada"):
+        CallQueue.objects.send("greet", {"name": "ada"}, cost=5)
+    assert isinstance(CostNeverFits("x"), ValueError)
+    assert not CallQueue.objects.exists()
+    call = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 10, "greeter:ada": 4})
+    assert call.cost == {"greeter": 10, "greeter:ada": 4}
+    assert CallQueue.objects.get(pk=call.pk).cost_of("greeter") == 10
+
+
+def test_policies_count_units_and_a_costly_call_waits_its_turn():
+    RateLimit.objects.set_policy("greeter", 5, timedelta(minutes=1))
+    costly = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 3})
+    second = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 3})
+    cheap = CallQueue.objects.send("greet", {"name": "ada"})
+    claimed = claim_all(costly.key_set)
+    # 3 units fit; the second call's 3 do not (2 left), and the cheap one may not jump it.
+    assert [c.id for c in claimed.calls] == [costly.id]
+    assert claimed.verdict.blocked
+    assert CallQueue.objects.get(pk=second.pk).status == "pending"
+    assert CallQueue.objects.get(pk=cheap.pk).status == "pending"
+    assert KeyState.objects.get(key="greeter").reserved_units == 3
+    assert run_all(claimed.calls) == ["done"]
+    assert KeyState.objects.get(key="greeter").total == 3
+    (status,) = key_statuses(["greeter"])
+    assert status.policies[0].used == 3
+
+
+def test_a_handler_computes_the_cost_and_reports_what_it_really_used():
+    RateLimit.objects.set_policy("llm", 1000, timedelta(minutes=1))
+    RateLimit.objects.set_policy("llm", 1000, timedelta(hours=1), burst=1000)
+    call = CallQueue.objects.send("complete", {"max_tokens": 800, "used": 120})
+    assert call.cost == {"llm": 800}
+    with pytest.raises(CostNeverFits):
+        CallQueue.objects.send("complete", {"max_tokens": 1001})
+    claimed = claim_all(call.key_set)
+    assert run_all(claimed.calls) == ["done"]
+    # Charged 800 at the start, corrected to the 120 the handler reported.
+    assert KeyStart.objects.get(key="llm").units == 120
+    (status,) = key_statuses(["llm"])
+    assert [p.used for p in status.policies] == [120, 120]
+    nxt = CallQueue.objects.send("complete", {"max_tokens": 880})
+    assert [c.id for c in claim_all(nxt.key_set).calls] == [nxt.id]
+
+
+def test_send_many_takes_a_cost_per_call():
+    calls = CallQueue.objects.send_many([
+        {"method": "greet", "params": {"name": "a"}, "cost": 2},
+        {"method": "greet", "params": {"name": "b"}},
+    ])
+    assert [c.cost for c in calls] == [{"greeter": 2, "greeter:a": 2}, None]
+    assert [c.cost for c in CallQueue.objects.order_by("id")] == [{"greeter": 2, "greeter:a": 2}, None]
+
+
+def test_a_refund_never_gives_a_new_bucket_units_it_did_not_charge(settings):
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1))
+    first = CallQueue.objects.send("complete", {"max_tokens": 5})
+    run_all(claim_all(first.key_set).calls)
+    # The operator learns the API is a bucket: the new shape starts afresh and is then emptied.
+    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1), burst=10)
+    second = CallQueue.objects.send("complete", {"max_tokens": 10})
+    assert run_all(claim_all(second.key_set).calls) == ["done"]
+    CallQueue.objects.correct_cost(CallQueue.objects.get(pk=first.pk), 0)
+    # The first call's 5 units were never taken from this bucket: none come back.
+    third = CallQueue.objects.send("complete", {"max_tokens": 1})
+    assert claim_all(third.key_set).calls == []
+    assert KeyStart.objects.get(call_id=first.id).units == 0
