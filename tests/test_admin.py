@@ -347,7 +347,9 @@ def test_viewer_cannot_edit_or_pause_policies(viewer):
 def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     now = db_now()
-    log_starts("api", [now - timedelta(minutes=2, seconds=s) for s in range(7)])
+    # Seven starts inside one minute, two minutes ago (not straddling a minute boundary).
+    minute = now.replace(second=0, microsecond=0) - timedelta(minutes=2)
+    log_starts("api", [minute + timedelta(seconds=s) for s in range(7)])
     for _ in range(25):
         send()
     page = viewer.get(DASHBOARD).content.decode()
