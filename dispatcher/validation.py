@@ -16,6 +16,8 @@ from typing import Any
 MAX_JSON_DEPTH = 32
 # Values (containers, keys and scalars) in one document; the byte limits bound size as text.
 MAX_JSON_ITEMS = 100_000
+# Rows stored before these bounds (or by raw SQL) deeper than this read as a note, not a value.
+STORED_JSON_MAX_DEPTH = 200
 
 # Moments a call may be given (run_at). Wide enough for any real schedule; narrow enough that
 # adding any duration the dispatcher accepts (at most MAX_DURATION) stays within what Python's
@@ -125,7 +127,16 @@ class StoredJSONDecoder(json.JSONDecoder):
     """
 
     def decode(self, s: str, *args: Any, **kwargs: Any) -> Any:
+        # The same bound on every Python: how deep json and the admin's pretty-printing can go
+        # before recursing too far differs between versions (3.12 parses 950 levels, 3.11 not).
+        # Counting brackets first keeps the scan off the usual, shallow values.
+        if s.count("[") + s.count("{") > STORED_JSON_MAX_DEPTH and json_text_depth(s, STORED_JSON_MAX_DEPTH) > STORED_JSON_MAX_DEPTH:
+            return _unreadable(s)
         try:
             return super().decode(s, *args, **kwargs)
         except RecursionError:
-            return {"unreadable": f"stored JSON nested too deeply to read ({len(s)} characters)"}
+            return _unreadable(s)
+
+
+def _unreadable(s: str) -> dict[str, str]:
+    return {"unreadable": f"stored JSON nested too deeply to read ({len(s)} characters)"}
