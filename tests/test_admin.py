@@ -409,6 +409,53 @@ def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     assert '<td class="backlog">25 (25 due)</td>' in page and '<td class="drain">2 min</td>' in page
 
 
+def _panels(page: str, key: str) -> dict[str, dict[str, str]]:
+    """Return the policy panels of a key's dashboard section: label -> data attributes (and the text)."""
+    import re
+
+    section = page[page.index(f'data-key="{key}"'):]
+    section = section[:section.index("</section>")]
+    found = {}
+    for match in re.finditer(r'<div class="policy-panel" ([^>]*)>(.*?)</div>', section, re.S):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', match.group(1)))
+        attrs["html"] = match.group(2)
+        found[attrs["policy"]] = attrs
+    return found
+
+
+def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
+    from dispatcher.models import LearntLimit
+
+    # 100 per hour plus 10 per minute, kept: 9 starts in each of 10 minutes of the last hour.
+    RateLimit.objects.set_policy("api", 100, timedelta(hours=1))
+    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    RateLimit.objects.set_policy("shop", 60, timedelta(minutes=1), burst=5)
+    now = db_now()
+    LearntLimit.objects.create(key="crm", limit=50, period=timedelta(hours=1), expires_at=now + timedelta(hours=1),
+                               source="ietf", observed_at=now)
+    minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
+    log_starts("api", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
+    log_starts("crm", [now - timedelta(minutes=5)])
+    send(keys=["shop"])
+    page = viewer.get(DASHBOARD).content.decode()
+    # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
+    assert "limit 10.0/min" in page and "1.67" not in page
+    api = _panels(page, "api")
+    assert set(api) == {"10 per 1m", "100 per 1h"}
+    minute, hour = api["10 per 1m"], api["100 per 1h"]
+    assert minute["shape"] == hour["shape"] == "sliding window"
+    assert (minute["used"], minute["limit"]) == ("0", "10")
+    # The hour window: 90 used against 100, drawn as used-in-window over the hour under its limit.
+    assert (hour["used"], hour["limit"]) == ("90", "100")
+    assert 'data-peak="90" data-now="90"' in hour["html"] and "limit 100 per window" in hour["html"]
+    assert "90/100 in the last 1h" in hour["html"]
+    shop = _panels(page, "shop")["60 per 1m, burst 5"]
+    assert shop["shape"] == "token bucket" and "0/5 tokens spent" in shop["html"]
+    crm = _panels(page, "crm")
+    learnt = crm["50 per 1h (learnt from the API)"]
+    assert learnt["learnt"] == "1" and "1/50 in the last 1h" in learnt["html"]
+
+
 # --- permissions --------------------------------------------------------------------------------------
 
 
