@@ -436,7 +436,11 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
     minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
     log_starts("api", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
     log_starts("crm", [now - timedelta(minutes=5)])
-    send(keys=["shop"])
+    from dispatcher.limiter import Policies
+
+    # Two calls of the bucket dispatched, not started: their tokens are promised.
+    shop_calls = [send(keys=["shop"]) for _ in range(3)]
+    assert len(CallQueue.objects.claim(shop_calls[0].key_set, 2, Policies.load()).calls) == 2
     page = viewer.get(DASHBOARD).content.decode()
     # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
     assert "limit 10.0/min" in page and "1.67" not in page
@@ -450,7 +454,8 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
     assert 'data-peak="90" data-now="90"' in hour["html"] and "limit 100 per window" in hour["html"]
     assert "90/100 in the last 1h" in hour["html"]
     shop = _panels(page, "shop")["60 per 1m, burst 5"]
-    assert shop["shape"] == "token bucket" and "0/5 tokens spent" in shop["html"]
+    assert shop["shape"] == "token bucket" and "2/5 tokens spent (2 dispatched, not started)" in shop["html"]
+    assert (shop["used"], shop["limit"]) == ("2", "5")
     crm = _panels(page, "crm")
     learnt = crm["50 per 1h (learnt from the API)"]
     assert learnt["learnt"] == "1" and "1/50 in the last 1h" in learnt["html"]
