@@ -112,7 +112,11 @@ def policy_panels(status: live.KeyStatus, units: dict[datetime, int] | None = No
         }
         if units is not None and not panel["on_bar_chart"] and use.period <= LONGEST_SERIES:
             span = -(-use.period // timedelta(minutes=1))  # minutes, rounded up
-            values = [sum(units.get(m - timedelta(minutes=j), 0) for j in range(span)) for m in grid]
+            # Running totals over the minutes from ``span`` before the hour: a window is a difference.
+            totals = [0]
+            for i in range(span + MINUTES - 1):
+                totals.append(totals[-1] + units.get(grid[0] - timedelta(minutes=span - 1 - i), 0))
+            values = [totals[i + span] - totals[i] for i in range(MINUTES)]
             top = max(values + [capacity]) * 1.15
             def y(v: float, top: float = top) -> float:
                 return round(PANEL_HEIGHT - 4 - (PANEL_HEIGHT - 8) * v / top, 1)
