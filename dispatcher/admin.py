@@ -11,8 +11,9 @@ from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db.models import Q, QuerySet
+from django.db.models import Min, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
@@ -531,11 +532,20 @@ class PauseActionForm(ActionForm):
                                widget=forms.TextInput(attrs={"size": 6, "placeholder": "5m"}))
 
 
+class KeyChangeList(ChangeList):
+    """The policy list with one row per key: the key's first policy stands for the key."""
+
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
+        firsts = RateLimit.objects.values("key").annotate(first=Min("id")).values("first")
+        return super().get_queryset(request, exclude_parameters).filter(id__in=firsts)
+
+
 @admin.register(RateLimit)
 class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     form = RateLimitForm
     action_form = PauseActionForm
-    list_display = ["key", "policy_label", "usage", "in_flight", "waiting", "oldest_wait", "paused_until", "next_free_slot"]
+    # One row per key (its first policy stands for it), every policy of the key listed in it.
+    list_display = ["key", "policy_label", "in_flight", "waiting", "oldest_wait", "paused_until", "next_free_slot"]
     search_fields = ["key"]
     actions = ["pause", "resume"]
     change_form_template = "admin/dispatcher/ratelimit/change_form.html"
@@ -571,14 +581,31 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
         # Kept per thread: the admin instance is shared by every request.
+        from dispatcher import liveness
+
         _page.statuses = {s.key: s for s in live.key_statuses()}
+        _page.policies = {}
+        for policy in RateLimit.objects.order_by("key", "period"):
+            _page.policies.setdefault(policy.key, []).append(policy)
+        # A free slot sends nothing while no dispenser runs: say so where the slot is read.
+        _page.free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
         try:
             response = super().changelist_view(request, extra_context)
             if hasattr(response, "render"):
                 response.render()  # while the statuses are set: the columns read them
             return response
         finally:
-            _page.statuses = {}
+            _page.statuses, _page.policies, _page.free_now = {}, {}, "now"
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
+        return KeyChangeList
+
+    def get_actions(self, request: HttpRequest) -> dict:
+        # A row stands for every policy of its key: deleting "the selected" would delete one of
+        # them. A policy is deleted from its own page.
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
         from django.db import transaction
@@ -599,24 +626,33 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def _use(self, status: live.KeyStatus, policy: RateLimit) -> live.PolicyUse | None:
         return next((p for p in status.policies if p.period == policy.period and p.policy_key == policy.key), None)
 
-    @admin.display(description="policy")
-    def policy_label(self, policy: RateLimit) -> str:
-        return policy.as_policy().label()
-
-    @admin.display(description="used now")
-    def usage(self, policy: RateLimit) -> str:
-        statuses = self._statuses(policy)
-        uses = [(s.key, u) for s in statuses if (u := self._use(s, policy))]
-        if not uses:
-            return f"0/{policy.as_policy().capacity()}"
-        key, busiest = max(uses, key=lambda item: item[1].used)
-        text = f"{busiest.used}/{busiest.capacity}"
-        return f"{text} (busiest: {key})" if is_pattern(policy.key) else text
+    @admin.display(description="policies: used now, dispatched-not-started calls included")
+    def policy_label(self, row: RateLimit) -> str:
+        """Every policy of the row's key with what it has taken, in its own terms (window units, bucket tokens)."""
+        policies = getattr(_page, "policies", {}).get(row.key) or [row]
+        statuses = self._statuses(row)
+        items = []
+        for policy in policies:
+            shape = policy.as_policy()
+            uses = [(s.key, u) for s in statuses if (u := self._use(s, policy))]
+            if uses:
+                key, use = max(uses, key=lambda item: item[1].committed)
+                usage = use.usage_text() + (f" (busiest: {key})" if is_pattern(row.key) else "")
+            else:
+                usage = live.PolicyUse(shape, 0).usage_text()
+            url = reverse("admin:dispatcher_ratelimit_change", args=[policy.pk])
+            items.append((url, f"{shape.shape} {shape.label()}", usage))
+        learnt = [u for s in statuses for u in s.policies if u.learnt] if not is_pattern(row.key) else []
+        html = format_html_join("", '<li class="policy-use"><a href="{}">{}</a>: {}</li>', items)
+        html += format_html_join("", '<li class="policy-use learnt">{} {}: {}</li>',
+                                 ((u.shape, u.label(), u.usage_text()) for u in learnt))
+        return format_html('<ul class="policy-uses">{}</ul>', html)
 
     @admin.display(description="in flight")
     def in_flight(self, policy: RateLimit) -> str:
         total = sum(s.in_flight for s in self._statuses(policy))
-        return f"{total}/{policy.concurrency}" if policy.concurrency else str(total)
+        caps = [p.concurrency for p in getattr(_page, "policies", {}).get(policy.key, [policy]) if p.concurrency]
+        return f"{total}/{min(caps)}" if caps else str(total)
 
     @admin.display(description="waiting")
     def waiting(self, policy: RateLimit) -> int:
@@ -627,23 +663,28 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         waits = [s.oldest_wait for s in self._statuses(policy) if s.oldest_wait is not None]
         return live.humanize_duration(max(waits)) if waits else "-"
 
-    @admin.display(description="paused until")
+    @admin.display(description="paused until (by whom)")
     def paused_until(self, policy: RateLimit) -> str:
-        state = KeyState.objects.filter(key=policy.key, paused_until__gt=db_now()).first()
-        if state is None:
+        now = db_now()
+        state = KeyState.objects.filter(key=policy.key, paused_until__gt=now).first()
+        if state is not None:
+            until, reason = state.paused_until, state.pause_reason
+        else:
             pauses = [s for s in self._statuses(policy) if s.paused_until]
             if not pauses:
                 return "-"
             latest = max(pauses, key=lambda s: s.paused_until)
-            return live.format_moment(latest.paused_until, latest.now)
-        return live.format_moment(state.paused_until, db_now())
+            until, reason, now = latest.paused_until, latest.pause_reason, latest.now
+        source = live.pause_source(reason)
+        detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
+        return f"{live.format_moment(until, now)}, by {source}{detail}"
 
     @admin.display(description="next free slot")
     def next_free_slot(self, policy: RateLimit) -> str:
         statuses = self._statuses(policy)
         blocked = [s for s in statuses if s.blocked]
         if not blocked:
-            return "now"
+            return getattr(_page, "free_now", "now")
         if any(s.next_free_at is None for s in blocked):
             return "when a call in flight finishes"
         latest = max(blocked, key=lambda s: s.next_free_at)

@@ -49,7 +49,9 @@ def chart(status: live.KeyStatus, minutes: list[tuple[datetime, int, dict[str, i
         minutes = [(m, n, {}) for m, n in live.starts_per_minute(status.key, now=status.now, minutes=MINUTES)]
     series = [(m, max(n, sum(parts.values()))) for m, n, parts in minutes]
     peak = max([n for _, n in series] + [1])
-    limit_line = min((p.per_minute for p in status.policies), default=None)
+    # Only a policy that bounds a minute is drawn against starts per minute (a window of at most
+    # a minute, a bucket's sustained rate); a longer window gets its own panel (policy_panels).
+    limit_line = min((p.per_minute for p in status.policies if on_bar_chart(p)), default=None)
     top = max(peak, limit_line or 0) * 1.15
     inner_w, inner_h = CHART_WIDTH - CHART_PAD, CHART_HEIGHT - CHART_PAD
     slot = inner_w / len(series)
@@ -76,6 +78,79 @@ def chart(status: live.KeyStatus, minutes: list[tuple[datetime, int, dict[str, i
         "svg_bars": _svg_bars(bars),
         "outcomes": {name: sum(parts.get(name, 0) for _, _, parts in minutes) for name, _ in SEGMENTS},
     }
+
+
+def on_bar_chart(use: live.PolicyUse) -> bool:
+    """Whether a policy is drawn as a per-minute line over the starts: a bucket, or a window of at most a minute."""
+    return use.shape == "bucket" or use.period <= timedelta(minutes=1)
+
+
+PANEL_WIDTH, PANEL_HEIGHT = 600, 56
+# A window longer than this is shown by its gauge only (its series would read days of starts).
+LONGEST_SERIES = timedelta(days=1)
+
+
+def policy_panels(status: live.KeyStatus, units: dict[datetime, int] | None = None) -> list[dict[str, Any]]:
+    """Lay out one panel per policy: its use now against its own limit, in the policy's own terms.
+
+    A window: units started in the window (dispatched-not-started included) against the limit,
+    and, for a window longer than a minute, used-in-window at the end of each minute of the last
+    hour (per-minute resolution) against the limit. A bucket: tokens spent against the burst.
+    ``units`` is units started per minute, reaching back one longest window before the hour.
+    """
+    panels = []
+    end = status.now.replace(second=0, microsecond=0)
+    grid = [end - timedelta(minutes=MINUTES - 1 - i) for i in range(MINUTES)]
+    for use in status.policies:
+        capacity = use.limit if use.shape == "window" else use.capacity
+        panel: dict[str, Any] = {
+            "shape": "token bucket" if use.shape == "bucket" else "sliding window",
+            "label": use.label(), "learnt": use.learnt, "usage": use.usage_text(), "used": use.committed,
+            "limit": capacity, "on_bar_chart": on_bar_chart(use), "width": PANEL_WIDTH, "height": PANEL_HEIGHT,
+            "gauge": round(PANEL_WIDTH * min(use.committed / capacity, 1), 1) if capacity else 0,
+            "full": use.committed >= capacity, "series": None,
+        }
+        if units is not None and not panel["on_bar_chart"] and use.period <= LONGEST_SERIES:
+            span = -(-use.period // timedelta(minutes=1))  # minutes, rounded up
+            # Running totals over the minutes from ``span`` before the hour: a window is a difference.
+            totals = [0]
+            for i in range(span + MINUTES - 1):
+                totals.append(totals[-1] + units.get(grid[0] - timedelta(minutes=span - 1 - i), 0))
+            values = [totals[i + span] - totals[i] for i in range(MINUTES)]
+            top = max(values + [capacity]) * 1.15
+            def y(v: float, top: float = top) -> float:
+                return round(PANEL_HEIGHT - 4 - (PANEL_HEIGHT - 8) * v / top, 1)
+            step = (PANEL_WIDTH - CHART_PAD) / (MINUTES - 1)
+            panel["series"] = {
+                "points": " ".join(f"{round(CHART_PAD + i * step, 1)},{y(v)}" for i, v in enumerate(values)),
+                "limit_y": y(capacity), "peak": max(values), "now": values[-1],
+            }
+        panels.append(panel)
+    return panels
+
+
+def window_units(statuses: list[live.KeyStatus], now: datetime) -> dict[str, dict[datetime, int]]:
+    """Return units started per key and minute, as far back as each key's longest window before the hour."""
+    from django.db.models import Sum
+
+    from dispatcher.models import KeyStart
+
+    reach: dict[str, timedelta] = {}
+    for status in statuses:
+        longest = [u.period for u in status.policies if not on_bar_chart(u) and u.period <= LONGEST_SERIES]
+        if longest:
+            reach[status.key] = max(longest)
+    if not reach:
+        return {}
+    start = now.replace(second=0, microsecond=0) - timedelta(minutes=MINUTES) - max(reach.values())
+    found: dict[str, dict[datetime, int]] = {key: {} for key in reach}
+    rows = (
+        KeyStart.objects.filter(key__in=list(reach), started_at__gte=start)
+        .annotate(minute=TruncMinute("started_at")).values("key", "minute").annotate(n=Sum("units")).order_by()
+    )
+    for row in rows:
+        found[row["key"]][row["minute"]] = row["n"]
+    return found
 
 
 def _svg_bars(bars: list[dict[str, Any]]) -> SafeString:
@@ -170,11 +245,13 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
     shown.sort(key=lambda s: pressure(s, busy.get(s.key, 0)))
     page = Paginator(shown, PER_PAGE).get_page(request.GET.get("page"))
     series = minutes_by_key([s.key for s in page.object_list], now)
+    units = window_units(list(page.object_list), now)
     rows = []
     for status in page.object_list:
         rows.append({
             "status": status,
             "chart": chart(status, series[status.key]),
+            "panels": policy_panels(status, units.get(status.key, {})),
             "policies": ", ".join(p.label() for p in status.policies) or "no limit",
             "oldest_wait": live.humanize_duration(status.oldest_wait),
             "drain": live.humanize_duration(status.drain_time) if status.waiting else "-",

@@ -35,6 +35,8 @@ class PolicyUse:
     room: int = 0
     # Announced by the API (dispatcher.learning), not configured.
     learnt: bool = False
+    # Units of calls dispatched but not started: promised, so they count against the policy.
+    reserved: int = 0
 
     @property
     def policy_key(self) -> str:
@@ -72,6 +74,21 @@ class PolicyUse:
     def label(self) -> str:
         text = self.policy.label()
         return f"{text} (learnt from the API)" if self.learnt else text
+
+    @property
+    def committed(self) -> int:
+        """Units counted against the policy now: started in the window (or spent tokens) plus reserved."""
+        return self.used + self.reserved
+
+    def usage_text(self) -> str:
+        """Say how much of the policy is taken, in its own terms: "7/10 in the last 1m", "3/5 tokens spent"."""
+        from dispatcher.durations import format_duration
+
+        if self.shape == "bucket":
+            text = f"{self.committed}/{self.capacity} tokens spent"
+        else:
+            text = f"{self.committed}/{self.limit} in the last {format_duration(self.period)}"
+        return f"{text} ({self.reserved} dispatched, not started)" if self.reserved else text
 
 
 @dataclass
@@ -241,6 +258,17 @@ def pause_text(reason: str) -> str:
     return reason if reason.startswith("paused") else f"paused ({reason})"
 
 
+def pause_source(reason: str) -> str:
+    """Say who paused a key: "operator", "429 from the API", "the API's rate-limit headers", "pattern"."""
+    if reason.startswith("429"):
+        return "429 from the API"
+    if reason.startswith("API said"):
+        return "the API's rate-limit headers"
+    if reason == "pattern paused":
+        return "pattern pause"
+    return "operator" if reason.startswith("paused by operator") or not reason else reason
+
+
 def humanize_duration(value: timedelta | None) -> str:
     """Write a duration for people: "3 min", "1 h 5 min", "-"."""
     if value is None:
@@ -290,7 +318,7 @@ def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies)
         policies=[
             PolicyUse(
                 p, p.capacity() - p.room(r, now), max(p.room(r, now, reserved_units), 0),
-                learnt=any(p is q for q in policies.learnt.get(key, ())),
+                learnt=any(p is q for q in policies.learnt.get(key, ())), reserved=reserved_units,
             )
             for p, r in zip(governing, readings, strict=True)
         ],

@@ -253,7 +253,7 @@ def test_a_bucket_is_created_with_its_burst_and_listed_as_one(operator):
     assert response.status_code == 302
     assert RateLimit.objects.get().burst == 40
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
-    assert rows["api"][1:3] == ["2 per 1s, burst 40", "0/40"]
+    assert rows["api"][1] == "bucket 2 per 1s, burst 40: 0/40 tokens spent"
 
 
 def test_a_second_policy_with_the_same_key_and_period_is_refused(operator):
@@ -273,9 +273,58 @@ def test_policy_list_shows_live_usage(operator):
     send(created_at=now - timedelta(minutes=3))
     send(keys=["tenant:9"])
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
-    # key, policy, used, in flight, waiting, oldest wait, paused until, next free slot
-    assert rows["api"][1:8] == ["3 per 1m", "3/3", "1/2", "1", "3 min", "-", "in 10 s"]
-    assert rows["tenant:*"][2:5] == ["1/4 (busiest: tenant:9)", "0", "1"] and rows["tenant:*"][7] == "now"
+    # key, policies with their use, in flight, waiting, oldest wait, paused until, next free slot
+    assert rows["api"][1:7] == ["window 3 per 1m: 3/3 in the last 1m", "1/2", "1", "3 min", "-", "in 10 s"]
+    assert rows["tenant:*"][1:4] == ["window 4 per 1m: 1/4 in the last 1m (busiest: tenant:9)", "0", "1"]
+    assert rows["tenant:*"][6] == "now, but no dispenser runs"  # no dispenser has ever run here
+
+
+def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operator):
+    RateLimit.objects.set_policy("api", 100, timedelta(hours=1), concurrency=4)
+    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    RateLimit.objects.set_policy("smooth", 60, timedelta(minutes=1), burst=5)
+    now = db_now()
+    log_starts("api", [now - timedelta(minutes=m) for m in (30, 20, 10)] + [now - timedelta(seconds=s) for s in (40, 5)])
+    # Two calls dispatched, not started: their units are promised and count as used.
+    KeyState.objects.update_or_create(key="api", defaults={"reserved": 2, "reserved_units": 2, "running": 1})
+    for _ in range(3):
+        send()
+    page = operator.get(LIMITS).content.decode()
+    rows = _rows(page)
+    assert [r[0] for r in rows] == ["api", "smooth"]
+    api = rows[0]
+    assert api[1] == ("window 10 per 1m: 4/10 in the last 1m (2 dispatched, not started)"
+                      "window 100 per 1h: 7/100 in the last 1h (2 dispatched, not started)")
+    assert api[2:4] == ["3/4", "3"]
+    assert rows[1][1] == "bucket 60 per 1m, burst 5: 0/5 tokens spent"
+    assert "dispatched-not-started calls included" in page
+    # Each policy links to its own page.
+    for policy in RateLimit.objects.filter(key="api"):
+        assert f'href="{LIMITS}{policy.id}/change/"' in page
+    # Deleting "the selected" would delete one policy of a key: not offered on the list.
+    assert 'value="delete_selected"' not in page
+
+
+def test_policy_list_says_who_paused_a_key(operator):
+    from dispatcher import limiter
+
+    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    RateLimit.objects.set_policy("crm", 3, timedelta(minutes=1))
+    RateLimit.objects.pause_key("api", timedelta(minutes=5))
+    limiter.pause(["crm"], db_now() + timedelta(minutes=2), reason="429 from call #7")
+    rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
+    assert rows["api"][5].endswith("(in 5 min), by operator")
+    assert rows["crm"][5].endswith("(in 2 min), by 429 from the API (429 from call #7)")
+    assert rows["crm"][6] == "in 2 min"
+
+
+def test_policy_list_next_free_slot_is_plain_now_when_a_dispenser_runs(operator):
+    from dispatcher import liveness
+
+    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    liveness.beat(liveness.DISPENSER)
+    rows = _rows(operator.get(LIMITS).content.decode())
+    assert rows[0][6] == "now"
 
 
 def _rows(page: str) -> list[list[str]]:
@@ -358,6 +407,58 @@ def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
     assert "limit 10.0/min" in page
     # 25 waiting at 10 per minute with 10 free now: 15 more need 2 more minutes.
     assert '<td class="backlog">25 (25 due)</td>' in page and '<td class="drain">2 min</td>' in page
+
+
+def _panels(page: str, key: str) -> dict[str, dict[str, str]]:
+    """Return the policy panels of a key's dashboard section: label -> data attributes (and the text)."""
+    import re
+
+    section = page[page.index(f'data-key="{key}"'):]
+    section = section[:section.index("</section>")]
+    found = {}
+    for match in re.finditer(r'<div class="policy-panel" ([^>]*)>(.*?)</div>', section, re.S):
+        attrs = dict(re.findall(r'data-([a-z]+)="([^"]*)"', match.group(1)))
+        attrs["html"] = match.group(2)
+        found[attrs["policy"]] = attrs
+    return found
+
+
+def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
+    from dispatcher.models import LearntLimit
+
+    # 100 per hour plus 10 per minute, kept: 9 starts in each of 10 minutes of the last hour.
+    RateLimit.objects.set_policy("api", 100, timedelta(hours=1))
+    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    RateLimit.objects.set_policy("shop", 60, timedelta(minutes=1), burst=5)
+    now = db_now()
+    LearntLimit.objects.create(key="crm", limit=50, period=timedelta(hours=1), expires_at=now + timedelta(hours=1),
+                               source="ietf", observed_at=now)
+    minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
+    log_starts("api", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
+    log_starts("crm", [now - timedelta(minutes=5)])
+    from dispatcher.limiter import Policies
+
+    # Two calls of the bucket dispatched, not started: their tokens are promised.
+    shop_calls = [send(keys=["shop"]) for _ in range(3)]
+    assert len(CallQueue.objects.claim(shop_calls[0].key_set, 2, Policies.load()).calls) == 2
+    page = viewer.get(DASHBOARD).content.decode()
+    # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
+    assert "limit 10.0/min" in page and "1.67" not in page
+    api = _panels(page, "api")
+    assert set(api) == {"10 per 1m", "100 per 1h"}
+    minute, hour = api["10 per 1m"], api["100 per 1h"]
+    assert minute["shape"] == hour["shape"] == "sliding window"
+    assert (minute["used"], minute["limit"]) == ("0", "10")
+    # The hour window: 90 used against 100, drawn as used-in-window over the hour under its limit.
+    assert (hour["used"], hour["limit"]) == ("90", "100")
+    assert 'data-peak="90" data-now="90"' in hour["html"] and "limit 100 per window" in hour["html"]
+    assert "90/100 in the last 1h" in hour["html"]
+    shop = _panels(page, "shop")["60 per 1m, burst 5"]
+    assert shop["shape"] == "token bucket" and "2/5 tokens spent (2 dispatched, not started)" in shop["html"]
+    assert (shop["used"], shop["limit"]) == ("2", "5")
+    crm = _panels(page, "crm")
+    learnt = crm["50 per 1h (learnt from the API)"]
+    assert learnt["learnt"] == "1" and "1/50 in the last 1h" in learnt["html"]
 
 
 # --- permissions --------------------------------------------------------------------------------------

@@ -168,3 +168,41 @@ def test_liveness_warning_appears_after_the_dispenser_stops(browser_page, server
     page.goto(f"{server}/admin/dispatcher/callqueue/{call.id}/change/")
     assert "no dispenser has run since" in page.locator(".why-stalled").inner_text()
     page.screenshot(path=str(artifacts_dir / "liveness-call.png"), full_page=True)
+
+
+def test_dashboard_draws_each_limit_of_a_multi_window_key(browser_page, server, artifacts_dir):
+    from dispatcher.clock import db_now
+    from tests.starts import log_starts
+
+    # 100 per hour plus 10 per minute, both kept: 9 starts in each of 10 minutes of the last hour.
+    RateLimit.objects.set_policy("crm", 100, timedelta(hours=1))
+    RateLimit.objects.set_policy("crm", 10, timedelta(minutes=1))
+    now = db_now()
+    minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
+    log_starts("crm", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
+    page = browser_page
+    page.goto(f"{server}/admin/dispatcher/dashboard/")
+    section = "section.key-panel[data-key='crm']"
+    page.locator(f"{section} svg.chart").wait_for()
+    # The bars are drawn against the per-minute policy (10/min), not against 100/60 = 1.67/min.
+    limit = page.locator(f"{section} svg.chart line.limit")
+    assert limit.count() == 1 and "10.0 per minute" in limit.locator("title").text_content()
+    bars = page.locator(f"{section} svg.chart rect.bar")
+    line_y = float(limit.get_attribute("y1"))
+    # Every bar (9 starts) stays under the line (SVG y grows downwards).
+    assert all(float(bars.nth(i).get_attribute("y")) > line_y for i in range(bars.count()))
+    # The hour window has its own panel: 90 used, under its line at 100.
+    hour = page.locator(f"{section} .policy-panel[data-policy='100 per 1h']")
+    assert hour.get_attribute("data-shape") == "sliding window"
+    assert "90/100 in the last 1h" in hour.locator(".policy-head").inner_text()
+    chart = hour.locator("svg.window-chart")
+    assert chart.get_attribute("data-peak") == "90"
+    points = [float(p.split(",")[1]) for p in chart.locator("polyline.used").get_attribute("points").split()]
+    hour_line = float(chart.locator("line.limit").get_attribute("y1"))
+    assert min(points) > hour_line  # the highest point of use is under the limit line
+    assert _style(page, f"{section} .policy-panel[data-policy='100 per 1h'] svg.window-chart line.limit", "stroke") == "rgb(186, 33, 33)"
+    assert _style(page, f"{section} .policy-panel[data-policy='100 per 1h'] svg.window-chart polyline.used", "stroke") == "rgb(68, 126, 155)"
+    minute = page.locator(f"{section} .policy-panel[data-policy='10 per 1m']")
+    assert "0/10 in the last 1m" in minute.locator(".policy-head").inner_text()
+    page.locator(section).screenshot(path=str(artifacts_dir / "dashboard-multi-window.png"))
+    assert (artifacts_dir / "dashboard-multi-window.png").stat().st_size > 1000
