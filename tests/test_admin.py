@@ -59,7 +59,7 @@ def run_action(client: Client, url: str, action: str, ids: list[int], **extra) -
 
 def test_call_list_tells_never_tried_from_retrying_from_given_up(operator):
     send()
-    send(attempts=1, last_error="boom", run_at=db_now() + timedelta(minutes=1))
+    send(attempts=1, last_error="boom", run_at=db_now() + timedelta(seconds=75))  # reads "in 1 min" for 15 s
     send(status="failed", attempts=3, finished_at=db_now())
     page = operator.get(CALLS).content.decode()
     assert "waiting (never tried)" in page
