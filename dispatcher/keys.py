@@ -98,6 +98,28 @@ def parse_key_set(text: str) -> list[str]:
     return list(json.loads(text))
 
 
+def read_key_set(text: str) -> list[str]:
+    """Return the keys of a stored key set; raise InvalidKey if a row written by hand holds none."""
+    return list(_read_key_set(text))
+
+
+# A pass reads the same few key sets again and again; each is checked once.
+@functools.lru_cache(maxsize=4096)
+def _read_key_set(text: str) -> tuple[str, ...]:
+    try:
+        keys = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise InvalidKey(f"the stored key_set {text[:80]!r} is not JSON: {exc}") from None
+    if not isinstance(keys, list):
+        raise InvalidKey(f"the stored key_set {text[:80]!r} is not a JSON list of keys")
+    if len(set(map(repr, keys))) != len(keys):
+        raise InvalidKey(f"the stored key_set {text[:80]!r} repeats a key")
+    try:
+        return tuple(validate_key(key) for key in keys)
+    except InvalidKey as exc:
+        raise InvalidKey(f"the stored key_set {text[:80]!r}: {exc}") from None
+
+
 def is_pattern(key: str) -> bool:
     return key.endswith("*")
 
