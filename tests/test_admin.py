@@ -565,3 +565,9 @@ def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
     entries = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id"))
     assert [(e.user.username, e.is_addition(), e.is_change()) for e in entries] == [("op", True, False), ("op", False, True)]
     assert entries[1].get_change_message() == "Changed limit."
+
+
+@pytest.mark.parametrize("model", ["callqueue", "ratelimit"])
+def test_the_calls_and_rate_limit_lists_link_to_the_dashboard(operator, model):
+    page = operator.get(f"/admin/dispatcher/{model}/").content.decode()
+    assert 'href="/admin/dispatcher/dashboard/">Dashboard</a>' in page
