@@ -16,7 +16,7 @@ from django.test import Client
 
 from dispatcher.exceptions import InvalidCall, InvalidKey, InvalidParams
 from dispatcher.models import CallQueue, KeyState, RateLimit
-from tests.procs import wait_until
+from support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
 

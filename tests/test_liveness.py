@@ -17,7 +17,7 @@ from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.models import CallQueue, Heartbeat
-from tests.procs import wait_until
+from support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
 
