@@ -82,3 +82,18 @@ def procs(transactional_db, redis_url, tmp_path):
     processes.queue = queue
     yield processes
     processes.stop_all()
+
+
+@pytest.fixture
+def make_call(db):
+    """Return a factory of calls: sent as a user would, then given stored fields (``status=...``) as if they got there."""
+    from dispatcher.models import CallQueue
+
+    def make(method: str = "noop", params: dict | None = None, keys: list[str] | None = None, **fields) -> CallQueue:
+        call = CallQueue.objects.send(method, params or {}, keys=["api"] if keys is None else keys)
+        if fields:
+            CallQueue.objects.filter(id=call.id).update(**fields)
+            call.refresh_from_db()
+        return call
+
+    return make
