@@ -1,4 +1,7 @@
-"""A fake third-party API served on 127.0.0.1 inside the tests and benchmarks; it records every arrival."""
+"""A fake third-party API served on 127.0.0.1 inside the tests and benchmarks; it records every arrival.
+
+Its answer writer and policy shapes (``Window``, ``Bucket``, ``Smooth``) also serve the demo's partner.
+"""
 from __future__ import annotations
 
 import json
@@ -11,6 +14,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from support.windows import max_in_window  # noqa: F401 - re-exported for callers
+
+
+def answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
+    """Write a JSON answer with its length, and any extra headers."""
+    data = json.dumps(body).encode()
+    req.send_response(status)
+    req.send_header("Content-Type", "application/json")
+    req.send_header("Content-Length", str(len(data)))
+    for name, value in (headers or {}).items():
+        req.send_header(name, value)
+    req.end_headers()
+    req.wfile.write(data)
 
 
 @dataclass
@@ -211,14 +226,7 @@ class FakeAPI:
 
     @staticmethod
     def _answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
-        req.send_response(status)
-        req.send_header("Content-Type", "application/json")
-        req.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            req.send_header(name, value)
-        req.end_headers()
-        req.wfile.write(data)
+        answer(req, status, body, headers)
 
     def times(self, predicate=lambda a: True) -> list[float]:
         with self.lock:
