@@ -46,10 +46,7 @@ def validate_key(key: Any) -> str:
         raise InvalidKey(f"key longer than {MAX_KEY_LENGTH} characters: {key[:40]!r}...")
     if "*" in key:
         raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
-    if not _is_unicode(key):
-        raise InvalidKey(f"a key must be valid Unicode text: {key!r}")
-    if _has_invisible(key):
-        raise InvalidKey(f"a key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
+    _refuse_hidden_text(key, "a key", InvalidKey)
     return key
 
 
@@ -67,6 +64,14 @@ def resolve_keys(templates: Iterable[str], extra: Iterable[str] | None, params: 
     if len(unique) > MAX_KEYS:
         raise InvalidKey(f"a call may have at most {MAX_KEYS} keys, got {len(unique)}")
     return unique
+
+
+def _refuse_hidden_text(key: str, what: str, error: type[Exception]) -> None:
+    """Raise ``error`` if the key is not valid Unicode or holds a character that does not show."""
+    if not _is_unicode(key):
+        raise error(f"{what} must be valid Unicode text: {key!r}")
+    if _has_invisible(key):
+        raise error(f"{what} cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
 
 
 def _has_invisible(text: str) -> bool:
@@ -132,10 +137,7 @@ def validate_policy_key(key: Any) -> str:
         raise ValueError(f"policy key longer than {MAX_KEY_LENGTH} characters")
     if "*" in key[:-1]:
         raise ValueError(f"'*' may only end a pattern, as in 'mailgun:*': {key!r}")
-    if not _is_unicode(key):
-        raise ValueError(f"a policy key must be valid Unicode text: {key!r}")
-    if _has_invisible(key):
-        raise ValueError(f"a policy key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
+    _refuse_hidden_text(key, "a policy key", ValueError)
     return key
 
 
