@@ -23,7 +23,7 @@ test-sqlite: venv
 	env -u DATABASE_URL $(BIN)/pytest -m "not postgres"
 
 check: venv
-	$(BIN)/ruff check dispatcher project tests bench demo
+	$(BIN)/ruff check dispatcher project tests bench demo support
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 

@@ -59,9 +59,9 @@ class Context:
         self.log_dir = log_dir
 
     def processes(self, **env: str):
-        from tests.procs import Processes
+        from support.processes import Processes
 
-        return Processes(env, self.log_dir)
+        return Processes({**os.environ, **env}, self.log_dir)
 
 
 def _rate(n: float, seconds: float) -> float:
@@ -199,7 +199,7 @@ def dispense_cost(ctx: Context) -> list[Figure]:
 # --- wake-up latency --------------------------------------------------------------------------
 
 def _wait_done(n: int, timeout: float) -> bool:
-    from tests.procs import wait_until
+    from support.processes import wait_until
 
     return wait_until(lambda: count_status("done") >= n, timeout, interval=0.1)
 
@@ -263,7 +263,7 @@ def utilisation_bucket(ctx: Context) -> list[Figure]:
 
 def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
     from dispatcher.models import Attempt, CallQueue, RateLimit
-    from tests.fakeapi import max_in_window
+    from support.windows import max_in_window
 
     limit, seconds = 50, ctx.sizes.utilisation_seconds
     reset_tables()
@@ -275,7 +275,7 @@ def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
             procs.worker(ctx.queue, concurrency=2)
         for _ in range(4):
             procs.dispenser()
-        from tests.procs import wait_until
+        from support.processes import wait_until
 
         check(wait_until(lambda: Attempt.objects.exists(), 60), "no call started:\n" + procs.logs())
         first = Attempt.objects.order_by("started_at").values_list("started_at", flat=True).first()
@@ -383,7 +383,7 @@ def completed_calls(ctx: Context) -> list[Figure]:
     from django.db.models import Max, Min
 
     from dispatcher.models import Attempt, CallQueue, RateLimit
-    from tests.procs import wait_until
+    from support.processes import wait_until
 
     n = ctx.sizes.completed_calls
     procs = ctx.processes()
@@ -538,7 +538,7 @@ def _http_env() -> dict[str, str]:
 def http_latency(ctx: Context) -> list[Figure]:
     """Calls to a local API sent one by one: recorded start -> arrival, and send -> arrival."""
     from dispatcher.models import Attempt, CallQueue, RateLimit
-    from tests.fakeapi import FakeAPI
+    from support.fakeapi import FakeAPI
 
     reset_tables()
     RateLimit.objects.set_policy("lat", 1000, timedelta(seconds=1))
@@ -699,7 +699,7 @@ def http_hostile(ctx: Context) -> list[Figure]:
 
 def _wait_finished(call_id: int, timeout: float) -> bool:
     from dispatcher.models import CallQueue
-    from tests.procs import wait_until
+    from support.processes import wait_until
 
     return wait_until(lambda: CallQueue.objects.filter(id=call_id, status__in=CallQueue.FINISHED).exists(), timeout)
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from support.fakeapi import Bucket, answer
+
 LIMIT_FIELDS = {"limit": int, "period": float, "concurrency": int, "tenant_limit": int, "announce": int}
 
 
@@ -55,23 +57,17 @@ class Partner:
     # The bucket-shaped API under /v2/: `bucket_rate` tokens per second up to `bucket_burst`.
     bucket_rate: float = 4.0
     bucket_burst: int = 12
-    tokens: float | None = None
-    tokens_at: float = 0.0
+    bucket: Bucket | None = None
     bucket_arrivals: list[tuple[float, int]] = field(default_factory=list)
 
     def admit_bucket(self, now: float) -> float | None:
         """Take a token of the /v2/ bucket; return None if served, else the seconds to wait (a 429)."""
         with self.lock:
-            if self.tokens is None:
-                self.tokens = float(self.bucket_burst)
-            self.tokens = min(self.bucket_burst, self.tokens + (now - self.tokens_at) * self.bucket_rate)
-            self.tokens_at = now
-            if self.tokens < 1:
-                self.bucket_arrivals.append((now, 429))
-                return max(0.05, (1 - self.tokens) / self.bucket_rate)
-            self.tokens -= 1
-            self.bucket_arrivals.append((now, 200))
-            return None
+            if self.bucket is None:
+                self.bucket = Bucket(self.bucket_rate, self.bucket_burst)
+            wait = self.bucket.admit(now, 1)
+            self.bucket_arrivals.append((now, 200 if wait is None else 429))
+            return None if wait is None else max(0.05, wait)
 
     def admit(self, tenant: str, now: float) -> float | None:
         """Count a request in; return None if served, else the seconds to wait (a 429)."""
@@ -152,14 +148,7 @@ def make_server(partner: Partner, port: int = 0) -> ThreadingHTTPServer:
             pass
 
         def _answer(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(data)
+            answer(self, status, body, headers)
 
         def _body(self) -> bytes:
             length = int(self.headers.get("content-length") or 0)

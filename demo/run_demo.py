@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from demo.processes import Processes, clean_environment, install_stop_signals, wait_for
-from dispatcher.windows import max_in_window  # noqa: F401 - re-exported for callers
+from support.processes import Processes, clean_environment, install_stop_signals, wait_until
+from support.windows import max_in_window  # noqa: F401 - re-exported for callers
 
 TENANTS = {"acme": 3, "globex": 2, "initech": 2, "umbrella": 2, "hooli": 1, "stark": 1}
 LIMIT, PERIOD, CONCURRENCY, TENANT_LIMIT = 20, 2.0, 4, 6
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             "--concurrency", str(CONCURRENCY), "--tenant-limit", str(TENANT_LIMIT),
         )
         log = work / "partner.log"
-        if not wait_for(lambda: "listening on" in log.read_text(), 20):
+        if not wait_until(lambda: "listening on" in log.read_text(), 20):
             view.say("the fake partner did not start")
             return 1
         url = log.read_text().split("listening on", 1)[1].split()[0]
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", "demo@%h",
         )
         view.say("started: dispense --loop, celery worker; waiting for the worker to be ready")
-        if not wait_for(lambda: "ready." in (work / "worker.log").read_text(errors="replace"), 60):
+        if not wait_until(lambda: "ready." in (work / "worker.log").read_text(errors="replace"), 60):
             view.say("the worker did not get ready:\n" + (work / "worker.log").read_text(errors="replace")[-3000:])
             return 1
 

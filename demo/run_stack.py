@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from demo.processes import Processes, install_stop_signals
+from support.processes import Processes, install_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:

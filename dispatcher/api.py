@@ -14,7 +14,6 @@ Input is validated by ``CallQueue.objects.send`` itself, so the API accepts exac
 """
 from __future__ import annotations
 
-import hmac
 import json
 from datetime import datetime
 from typing import Any
@@ -26,6 +25,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_GET, require_POST
 
+from dispatcher.auth import bearer_token_ok
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall
 from dispatcher.redact import redact, redact_text
@@ -39,21 +39,9 @@ def _error(status: int, message: str, **extra: Any) -> JsonResponse:
     return JsonResponse({"error": message, **extra}, status=status)
 
 
-def _token_ok(request: HttpRequest) -> bool | None:
-    """Return True/False for a bearer token, None if the request carries none."""
-    header = request.headers.get("Authorization", "")
-    if not header:
-        return None
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return False
-    given = token.strip().encode()
-    return any(hmac.compare_digest(given, t.encode()) for t in dispatcher_settings.API_TOKENS)
-
-
 def _authorise(request: HttpRequest, permission: str) -> JsonResponse | None:
     """Return an error response unless the request may use the API with this permission."""
-    token = _token_ok(request)
+    token = bearer_token_ok(request, dispatcher_settings.API_TOKENS)
     if token is True:
         return None
     if token is False:

@@ -46,10 +46,7 @@ def validate_key(key: Any) -> str:
         raise InvalidKey(f"key longer than {MAX_KEY_LENGTH} characters: {key[:40]!r}...")
     if "*" in key:
         raise InvalidKey(f"a call's key cannot contain '*' (patterns belong to rate limits): {key!r}")
-    if not _is_unicode(key):
-        raise InvalidKey(f"a key must be valid Unicode text: {key!r}")
-    if _has_invisible(key):
-        raise InvalidKey(f"a key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
+    _refuse_hidden_text(key, "a key", InvalidKey)
     return key
 
 
@@ -67,6 +64,14 @@ def resolve_keys(templates: Iterable[str], extra: Iterable[str] | None, params: 
     if len(unique) > MAX_KEYS:
         raise InvalidKey(f"a call may have at most {MAX_KEYS} keys, got {len(unique)}")
     return unique
+
+
+def _refuse_hidden_text(key: str, what: str, error: type[Exception]) -> None:
+    """Raise ``error`` if the key is not valid Unicode or holds a character that does not show."""
+    if not _is_unicode(key):
+        raise error(f"{what} must be valid Unicode text: {key!r}")
+    if _has_invisible(key):
+        raise error(f"{what} cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
 
 
 def _has_invisible(text: str) -> bool:
@@ -98,6 +103,28 @@ def parse_key_set(text: str) -> list[str]:
     return list(json.loads(text))
 
 
+def read_key_set(text: str) -> list[str]:
+    """Return the keys of a stored key set; raise InvalidKey if a row written by hand holds none."""
+    return list(_read_key_set(text))
+
+
+# A pass reads the same few key sets again and again; each is checked once.
+@functools.lru_cache(maxsize=4096)
+def _read_key_set(text: str) -> tuple[str, ...]:
+    try:
+        keys = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise InvalidKey(f"the stored key_set {text[:80]!r} is not JSON: {exc}") from None
+    if not isinstance(keys, list):
+        raise InvalidKey(f"the stored key_set {text[:80]!r} is not a JSON list of keys")
+    if len(set(map(repr, keys))) != len(keys):
+        raise InvalidKey(f"the stored key_set {text[:80]!r} repeats a key")
+    try:
+        return tuple(validate_key(key) for key in keys)
+    except InvalidKey as exc:
+        raise InvalidKey(f"the stored key_set {text[:80]!r}: {exc}") from None
+
+
 def is_pattern(key: str) -> bool:
     return key.endswith("*")
 
@@ -110,10 +137,7 @@ def validate_policy_key(key: Any) -> str:
         raise ValueError(f"policy key longer than {MAX_KEY_LENGTH} characters")
     if "*" in key[:-1]:
         raise ValueError(f"'*' may only end a pattern, as in 'mailgun:*': {key!r}")
-    if not _is_unicode(key):
-        raise ValueError(f"a policy key must be valid Unicode text: {key!r}")
-    if _has_invisible(key):
-        raise ValueError(f"a policy key cannot contain control, format (bidi, zero-width) or line-separator characters: {key!r}")
+    _refuse_hidden_text(key, "a policy key", ValueError)
     return key
 
 

@@ -16,7 +16,6 @@ kept by the retention, so keep the retention short on very busy installations.
 """
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -27,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from dispatcher import status as live
+from dispatcher.auth import bearer_token_ok
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
@@ -177,10 +177,9 @@ class DispatcherCollector(Collector):
 def _allowed(request: HttpRequest) -> bool:
     if dispatcher_settings.METRICS_PUBLIC:
         return True
-    header = request.headers.get("Authorization", "")
-    if header.startswith("Bearer "):
-        given = header[len("Bearer "):].strip().encode()
-        return any(hmac.compare_digest(given, t.encode()) for t in dispatcher_settings.METRICS_TOKENS)
+    token = bearer_token_ok(request, dispatcher_settings.METRICS_TOKENS)
+    if token is not None:
+        return token
     user = request.user
     return bool(user.is_active and user.is_staff and user.has_perm("dispatcher.view_callqueue"))
 

@@ -17,9 +17,9 @@ from dispatcher import limiter
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
-from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidParams
+from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, InvalidKey, InvalidParams
 from dispatcher.inserts import NewCall, insert_many, insert_one
-from dispatcher.keys import key_set, parse_key_set, resolve_keys
+from dispatcher.keys import key_set, parse_key_set, read_key_set, resolve_keys
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import CallStatus as Status
@@ -204,6 +204,19 @@ def _clean_call(
     return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at, units)
 
 
+def _unreadable_cost(cost: Any, keys: Sequence[str]) -> str:
+    """Return why a stored cost is not units per key of the call's keys, or "" if it is."""
+    if cost is None:
+        return ""
+    if not isinstance(cost, dict):
+        return f"the stored cost {cost!r:.80} is not a mapping of the call's keys to units"
+    try:
+        clean_cost(cost, keys, {}, None)
+    except InvalidCost as exc:
+        return f"the stored cost: {exc}"
+    return ""
+
+
 def _json_value(value: Any) -> Any:
     """Return a JSON column's value from a raw cursor (Django has the driver hand back the text)."""
     return json.loads(value) if isinstance(value, str) else value
@@ -371,9 +384,16 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         than its keys have room for) in one statement; a key set that fills its share may take
         more in the next round, so one backlog cannot crowd out a key that has room.
         """
-        parsed = {text: parse_key_set(text) for text in key_sets}
-        all_keys = sorted({key for keys in parsed.values() for key in keys})
         result = BatchClaim([], {})
+        parsed: dict[str, list[str]] = {}
+        for text in key_sets:
+            try:
+                parsed[text] = read_key_set(text)
+            except InvalidKey as exc:
+                # A row written by hand: its keys cannot be limited, so its calls cannot run.
+                self._fail_unreadable(self.filter(status=PENDING, key_set=text), str(exc))
+                result.verdicts[text] = limiter.Verdict(room=0, reason=str(exc))
+        all_keys = sorted({key for keys in parsed.values() for key in keys})
         # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
         with transaction.atomic(using=self.db):
             states = limiter.lock_keys(all_keys)
@@ -412,6 +432,10 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 # its keys' room (its cost) ends the key set's share, so no cheaper call jumps it.
                 for row in sorted(rows, key=lambda r: (r.key_set, -r.priority, r.id)):
                     keys = parsed[row.key_set]
+                    problem = _unreadable_cost(row.cost, keys)
+                    if problem:
+                        self._fail_unreadable(self.filter(id=row.id), problem)
+                        continue
                     if row.key_set in walled or any(row.units(key) > room[key] for key in keys):
                         walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
                         returned.append(row.id)
@@ -447,6 +471,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         # Publish the most urgent first, as each key set's scan chose them.
         result.calls.sort(key=lambda call: (-call.priority, call.id))
         return result
+
+    def _fail_unreadable(self, calls: CallQueueQuerySet, problem: str) -> int:
+        """Mark calls whose stored row cannot be read failed, saying why, so they stop no pass or sweep."""
+        failed = calls.update(
+            status=FAILED, dispatched_at=None, finished_at=db_now(), last_error=f"unreadable row: {problem}"
+        )
+        log.error("unreadable_calls failed=%s error=%r", failed, problem)
+        return failed
 
     def _claim_rows(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
@@ -852,8 +884,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def rescue(self, batch: int | None = None) -> RescueReport:
         """Return calls stuck in dispatched or running past their timeout to waiting."""
-        from dispatcher.models import Attempt
-
         batch = batch or dispatcher_settings.RESCUE_BATCH
         report = RescueReport()
         now = db_now()
@@ -868,38 +898,65 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
         policy = RetryPolicy.from_settings()
         for call_id, text in stuck:
-            keys = parse_key_set(text)
-            with transaction.atomic(using=self.db):
-                limiter.lock_keys(keys)
-                call = self.select_for_update().filter(id=call_id).first()
-                if call is None:
-                    continue
-                now = db_now()
-                if call.status == DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
-                    # Claimed but never started: the message was lost; no attempt was spent.
-                    self.filter(id=call_id).update(status=PENDING, dispatched_at=None)
-                    limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys})
-                    report.dispatched += 1
-                elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
-                    # Started but never finished: the worker died; the attempt counts.
-                    error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
-                    Attempt.objects.filter(call_id=call_id, outcome="running").update(
-                        outcome="lost", finished_at=now, error=error
-                    )
-                    if call.attempts >= call.max_attempts:
-                        self.filter(id=call_id).update(status=FAILED, finished_at=now, last_error=error)
-                        report.failed += 1
-                    else:
-                        self.filter(id=call_id).update(
-                            status=PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
-                        )
-                    limiter.adjust(keys, running=-1)
-                    report.running += 1
-                else:
-                    continue
+            # One bad row must not leave the others stuck: it is failed (unreadable) or skipped.
+            try:
+                keys = read_key_set(text)
+            except InvalidKey as exc:
+                if self._fail_unreadable(self.filter(id=call_id, status__in=[DISPATCHED, RUNNING]), str(exc)):
+                    report.failed += 1
+                    report.ids.append(call_id)
+                continue
+            try:
+                outcome = self._rescue_one(call_id, keys, dispatch_cutoff, run_cutoff, policy)
+            except Exception:
+                log.exception("rescue_skipped id=%s", call_id)
+                continue
+            if outcome == "dispatched":
+                report.dispatched += 1
+            elif outcome:
+                # A lost run counts as rescued, and as failed too when it was the last attempt.
+                report.running += 1
+                report.failed += outcome == "failed"
+            if outcome:
                 report.ids.append(call_id)
-                limiter.wake_dispensers()
         return report
+
+    def _rescue_one(
+        self, call_id: int, keys: list[str], dispatch_cutoff: datetime, run_cutoff: datetime, policy: RetryPolicy
+    ) -> str:
+        """Return one stuck call to waiting (or fail it when out of attempts); say which it was, "" if neither."""
+        from dispatcher.models import Attempt
+
+        with transaction.atomic(using=self.db):
+            limiter.lock_keys(keys)
+            call = self.select_for_update().filter(id=call_id).first()
+            if call is None:
+                return ""
+            now = db_now()
+            if call.status == DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
+                # Claimed but never started: the message was lost; no attempt was spent.
+                self.filter(id=call_id).update(status=PENDING, dispatched_at=None)
+                limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys})
+                outcome = "dispatched"
+            elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
+                # Started but never finished: the worker died; the attempt counts.
+                error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
+                Attempt.objects.filter(call_id=call_id, outcome="running").update(
+                    outcome="lost", finished_at=now, error=error
+                )
+                if call.attempts >= call.max_attempts:
+                    self.filter(id=call_id).update(status=FAILED, finished_at=now, last_error=error)
+                    outcome = "failed"
+                else:
+                    self.filter(id=call_id).update(
+                        status=PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
+                    )
+                    outcome = "running"
+                limiter.adjust(keys, running=-1)
+            else:
+                return ""
+            limiter.wake_dispensers()
+        return outcome
 
     # --- retention ------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakeapi import FakeAPI
-from tests.procs import Processes, database_url
+from support.fakeapi import FakeAPI
+from support.processes import Processes, database_url
 
 # Read lazily by dispatcher.conf, by this process and by every process the tests start.
 # The fake APIs listen on 127.0.0.1 at ports the OS picks: any port of that address (listed literally).
@@ -78,7 +78,22 @@ def procs(transactional_db, redis_url, tmp_path):
         "CELERY_TASK_DEFAULT_QUEUE": queue,
         "PYTHONUNBUFFERED": "1",
     }
-    processes = Processes(env, tmp_path)
+    processes = Processes({**os.environ, **env}, tmp_path)
     processes.queue = queue
     yield processes
     processes.stop_all()
+
+
+@pytest.fixture
+def make_call(db):
+    """Return a factory of calls: sent as a user would, then given stored fields (``status=...``) as if they got there."""
+    from dispatcher.models import CallQueue
+
+    def make(method: str = "noop", params: dict | None = None, keys: list[str] | None = None, **fields) -> CallQueue:
+        call = CallQueue.objects.send(method, params or {}, keys=["api"] if keys is None else keys)
+        if fields:
+            CallQueue.objects.filter(id=call.id).update(**fields)
+            call.refresh_from_db()
+        return call
+
+    return make

@@ -42,14 +42,6 @@ def viewer() -> Client:
     return client_for(make_user("viewer", perms=("view_callqueue", "view_ratelimit")))
 
 
-def send(method: str = "noop", params: dict | None = None, keys: list[str] | None = None, **fields) -> CallQueue:
-    call = CallQueue.objects.send(method, params or {}, keys=keys or ["api"])
-    if fields:
-        CallQueue.objects.filter(id=call.id).update(**fields)
-        call.refresh_from_db()
-    return call
-
-
 def run_action(client: Client, url: str, action: str, ids: list[int], **extra) -> object:
     return client.post(url, {"action": action, "_selected_action": [str(i) for i in ids], "index": 0, **extra}, follow=True)
 
@@ -57,10 +49,10 @@ def run_action(client: Client, url: str, action: str, ids: list[int], **extra) -
 # --- calls list, filters, search -------------------------------------------------------------
 
 
-def test_call_list_tells_never_tried_from_retrying_from_given_up(operator):
-    send()
-    send(attempts=1, last_error="boom", run_at=db_now() + timedelta(seconds=75))  # reads "in 1 min" for 15 s
-    send(status="failed", attempts=3, finished_at=db_now())
+def test_call_list_tells_never_tried_from_retrying_from_given_up(operator, make_call):
+    make_call()
+    make_call(attempts=1, last_error="boom", run_at=db_now() + timedelta(seconds=75))  # reads "in 1 min" for 15 s
+    make_call(status="failed", attempts=3, finished_at=db_now())
     page = operator.get(CALLS).content.decode()
     assert "waiting (never tried)" in page
     assert "waiting for retry (1/3 tried)" in page
@@ -69,30 +61,30 @@ def test_call_list_tells_never_tried_from_retrying_from_given_up(operator):
 
 
 @pytest.mark.parametrize(("state", "expected"), [("new", "never"), ("retry", "retry"), ("failed", "failed"), ("in_flight", "running")])
-def test_call_list_filters_by_state(operator, state, expected):
+def test_call_list_filters_by_state(operator, state, expected, make_call):
     calls = {
-        "never": send(),
-        "retry": send(attempts=1),
-        "failed": send(status="failed", finished_at=db_now()),
-        "running": send(status="running"),
+        "never": make_call(),
+        "retry": make_call(attempts=1),
+        "failed": make_call(status="failed", finished_at=db_now()),
+        "running": make_call(status="running"),
     }
     shown = list(operator.get(CALLS, {"state": state}).context["cl"].result_list)
     assert shown == [calls[expected]]
 
 
-def test_call_list_filters_by_method_and_key(operator):
-    greet = send("greet", {"name": "ann"}, keys=[])
-    other = send(keys=["billing"])
-    send(keys=["api"])
+def test_call_list_filters_by_method_and_key(operator, make_call):
+    greet = make_call("greet", {"name": "ann"}, keys=[])
+    other = make_call(keys=["billing"])
+    make_call(keys=["api"])
     assert list(operator.get(CALLS, {"method": "greet"}).context["cl"].result_list) == [greet]
     assert list(operator.get(CALLS, {"key": "billing"}).context["cl"].result_list) == [other]
     # A key filter matches whole keys, not prefixes of them.
     assert list(operator.get(CALLS, {"key": "bill"}).context["cl"].result_list) == []
 
 
-def test_call_search_by_id_and_params(operator):
-    ann = send("greet", {"name": "annabel"}, keys=[])
-    bob = send("greet", {"name": "bob"}, keys=[])
+def test_call_search_by_id_and_params(operator, make_call):
+    ann = make_call("greet", {"name": "annabel"}, keys=[])
+    bob = make_call("greet", {"name": "bob"}, keys=[])
     assert list(operator.get(CALLS, {"q": "annabel"}).context["cl"].result_list) == [ann]
     assert list(operator.get(CALLS, {"q": str(bob.id)}).context["cl"].result_list) == [bob]
 
@@ -106,8 +98,8 @@ def detail(client: Client, call: CallQueue) -> str:
     return response.content.decode()
 
 
-def test_detail_shows_redacted_params_result_error_traceback_and_attempts(operator):
-    call = send(params={"url": "x", "api_key": "SECRET-123", "headers": {"Authorization": "Bearer abc"}},
+def test_detail_shows_redacted_params_result_error_traceback_and_attempts(operator, make_call):
+    call = make_call(params={"url": "x", "api_key": "SECRET-123", "headers": {"Authorization": "Bearer abc"}},
                 status="failed", attempts=2, last_error="RuntimeError: boom", last_traceback="Traceback ...\nRuntimeError: boom",
                 result={"token": "T0K3N", "ok": False}, finished_at=db_now())
     now = db_now()
@@ -131,40 +123,40 @@ def test_detail_shows_the_calls_cost(viewer):
 
 
 @pytest.mark.parametrize("reason", ["run_at", "backoff", "deferred", "paused", "rate", "concurrency"])
-def test_detail_says_why_a_call_waits_and_until_when(operator, reason):
+def test_detail_says_why_a_call_waits_and_until_when(operator, reason, make_call):
     now = db_now()
     if reason == "run_at":
-        call = send(run_at=now + timedelta(minutes=10))
+        call = make_call(run_at=now + timedelta(minutes=10))
         expected = ["scheduled: run_at is 20", "UTC (in 10 min)", "Waits until"]
     elif reason == "backoff":
-        call = send(attempts=1, run_at=now + timedelta(seconds=40), last_error="boom")
+        call = make_call(attempts=1, run_at=now + timedelta(seconds=40), last_error="boom")
         Attempt.objects.create(call=call, number=1, started_at=now, outcome="error")
         expected = ["retry backoff after attempt 1 of 3", "in 40 s"]
     elif reason == "deferred":
-        call = send(deferrals=1, run_at=now + timedelta(seconds=40))
+        call = make_call(deferrals=1, run_at=now + timedelta(seconds=40))
         Attempt.objects.create(call=call, number=1, started_at=now, outcome="rate_limited")
         expected = ["deferred by a 429", "in 40 s"]
     elif reason == "paused":
         RateLimit.objects.pause_key("api", timedelta(minutes=5), reason="maintenance")
-        call = send()
+        call = make_call()
         expected = ["key api is paused (maintenance) until 20", "UTC (in 5 min)"]
     elif reason == "rate":
         RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
         log_starts("api", [now - timedelta(seconds=30)])
-        call = send()
+        call = make_call()
         expected = ["key api: 1 per 1m used; next slot frees at 20", "UTC (in 30 s)"]
     else:
         RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
         KeyState.objects.update_or_create(key="api", defaults={"running": 1})
-        call = send()
+        call = make_call()
         expected = ["concurrency 1/1", "until a call in flight finishes"]
     page = detail(operator, call)
     for text in expected:
         assert text in page
 
 
-def test_calls_cannot_be_edited_added_or_deleted_by_hand(operator):
-    call = send()
+def test_calls_cannot_be_edited_added_or_deleted_by_hand(operator, make_call):
+    call = make_call()
     response = operator.post(f"{CALLS}{call.id}/change/", {"method": "explode", "status": "done"})
     assert response.status_code == 403
     call.refresh_from_db()
@@ -177,10 +169,10 @@ def test_calls_cannot_be_edited_added_or_deleted_by_hand(operator):
 # --- actions ----------------------------------------------------------------------------------------
 
 
-def test_retry_now_gives_a_failed_call_one_more_attempt_and_leaves_done_calls(operator):
-    failed = send(status="failed", attempts=3, finished_at=db_now(), last_error="boom")
-    done = send(status="done", attempts=1, finished_at=db_now())
-    later = send(run_at=db_now() + timedelta(hours=1))
+def test_retry_now_gives_a_failed_call_one_more_attempt_and_leaves_done_calls(operator, make_call):
+    failed = make_call(status="failed", attempts=3, finished_at=db_now(), last_error="boom")
+    done = make_call(status="done", attempts=1, finished_at=db_now())
+    later = make_call(run_at=db_now() + timedelta(hours=1))
     response = run_action(operator, CALLS, "retry_now", [failed.id, done.id, later.id])
     text = response.content.decode()
     assert "2 calls are due now." in text and "1 call was not waiting or failed" in text
@@ -191,9 +183,9 @@ def test_retry_now_gives_a_failed_call_one_more_attempt_and_leaves_done_calls(op
     assert done.status == "done"
 
 
-def test_cancel_cancels_waiting_calls_only(operator):
-    waiting = send()
-    running = send(status="running")
+def test_cancel_cancels_waiting_calls_only(operator, make_call):
+    waiting = make_call()
+    running = make_call(status="running")
     response = run_action(operator, CALLS, "cancel", [waiting.id, running.id])
     text = response.content.decode()
     assert "1 call cancelled." in text and "1 call was not waiting" in text
@@ -201,8 +193,8 @@ def test_cancel_cancels_waiting_calls_only(operator):
     assert (waiting.status, running.status) == ("cancelled", "running")
 
 
-def test_viewer_without_change_permission_cannot_run_actions(viewer):
-    call = send(status="failed", finished_at=db_now())
+def test_viewer_without_change_permission_cannot_run_actions(viewer, make_call):
+    call = make_call(status="failed", finished_at=db_now())
     page = viewer.get(CALLS).content.decode()
     assert "retry_now" not in page
     run_action(viewer, CALLS, "retry_now", [call.id])
@@ -263,15 +255,15 @@ def test_a_second_policy_with_the_same_key_and_period_is_refused(operator):
     assert RateLimit.objects.get().limit == 5
 
 
-def test_policy_list_shows_live_usage(operator):
+def test_policy_list_shows_live_usage(operator, make_call):
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     RateLimit.objects.set_policy("tenant:*", 4, timedelta(minutes=1))
     now = db_now()
     log_starts("api", [now - timedelta(seconds=s) for s in (50, 20, 10)])
     log_starts("tenant:9", [now - timedelta(seconds=5)])
     KeyState.objects.update_or_create(key="api", defaults={"running": 1})
-    send(created_at=now - timedelta(minutes=3))
-    send(keys=["tenant:9"])
+    make_call(created_at=now - timedelta(minutes=3))
+    make_call(keys=["tenant:9"])
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
     # key, policies with their use, in flight, waiting, oldest wait, paused until, next free slot
     assert rows["api"][1:7] == ["window 3 per 1m: 3/3 in the last 1m", "1/2", "1", "3 min", "-", "in 10 s"]
@@ -279,7 +271,7 @@ def test_policy_list_shows_live_usage(operator):
     assert rows["tenant:*"][6] == "now, but no dispenser runs"  # no dispenser has ever run here
 
 
-def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operator):
+def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operator, make_call):
     RateLimit.objects.set_policy("api", 100, timedelta(hours=1), concurrency=4)
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     RateLimit.objects.set_policy("smooth", 60, timedelta(minutes=1), burst=5)
@@ -288,7 +280,7 @@ def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operato
     # Two calls dispatched, not started: their units are promised and count as used.
     KeyState.objects.update_or_create(key="api", defaults={"reserved": 2, "reserved_units": 2, "running": 1})
     for _ in range(3):
-        send()
+        make_call()
     page = operator.get(LIMITS).content.decode()
     rows = _rows(page)
     assert [r[0] for r in rows] == ["api", "smooth"]
@@ -393,14 +385,14 @@ def test_viewer_cannot_edit_or_pause_policies(viewer):
 # --- dashboard ---------------------------------------------------------------------------------------
 
 
-def test_dashboard_charts_starts_per_minute_against_the_limit(viewer):
+def test_dashboard_charts_starts_per_minute_against_the_limit(viewer, make_call):
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     now = db_now()
     # Seven starts inside one minute, two minutes ago (not straddling a minute's edge).
     minute = now.replace(second=30, microsecond=0) - timedelta(minutes=2)
     log_starts("api", [minute - timedelta(seconds=s) for s in range(7)])
     for _ in range(25):
-        send()
+        make_call()
     page = viewer.get(DASHBOARD).content.decode()
     assert 'data-key="api"' in page and 'data-total="7"' in page
     assert page.count('class="bar"') == 60 and 'data-starts="7"' in page
@@ -423,7 +415,7 @@ def _panels(page: str, key: str) -> dict[str, dict[str, str]]:
     return found
 
 
-def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
+def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer, make_call):
     from dispatcher.models import LearntLimit
 
     # 100 per hour plus 10 per minute, kept: 9 starts in each of 10 minutes of the last hour.
@@ -439,7 +431,7 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer):
     from dispatcher.limiter import Policies
 
     # Two calls of the bucket dispatched, not started: their tokens are promised.
-    shop_calls = [send(keys=["shop"]) for _ in range(3)]
+    shop_calls = [make_call(keys=["shop"]) for _ in range(3)]
     assert len(CallQueue.objects.claim(shop_calls[0].key_set, 2, Policies.load()).calls) == 2
     page = viewer.get(DASHBOARD).content.decode()
     # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
@@ -476,8 +468,8 @@ def test_staff_without_permissions_is_refused(url):
     assert client_for(make_user("staff")).get(url).status_code == 403
 
 
-def test_view_only_staff_can_read_calls_and_limits(viewer):
-    call = send()
+def test_view_only_staff_can_read_calls_and_limits(viewer, make_call):
+    call = make_call()
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
     assert viewer.get(CALLS).status_code == 200
     assert viewer.get(f"{CALLS}{call.id}/change/").status_code == 200
@@ -485,10 +477,10 @@ def test_view_only_staff_can_read_calls_and_limits(viewer):
     assert viewer.get(f"{LIMITS}add/").status_code == 403
 
 
-def test_dashboard_splits_bars_into_done_error_and_429(viewer):
+def test_dashboard_splits_bars_into_done_error_and_429(viewer, make_call):
     now = db_now()
     for outcome in ("done", "done", "error", "rate_limited"):
-        call = send()
+        call = make_call()
         Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
         log_starts("api", [now - timedelta(minutes=3)])
     page = viewer.get(DASHBOARD).content.decode()
@@ -497,21 +489,21 @@ def test_dashboard_splits_bars_into_done_error_and_429(viewer):
     assert "(2 done, 1 error, 1 deferred by 429)" in page
 
 
-def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer):
+def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer, make_call):
     RateLimit.objects.set_policy("full", 1, timedelta(hours=1))
     log_starts("full", [db_now()])
     for _ in range(3):
-        send(keys=["busy"])
-    send(keys=["quiet"])
-    send(keys=["full"])
+        make_call(keys=["busy"])
+    make_call(keys=["quiet"])
+    make_call(keys=["full"])
     keys = [row["status"].key for row in viewer.get(DASHBOARD).context["rows"]]
     assert keys == ["full", "busy", "quiet"]
 
 
-def test_dashboard_filters_and_paginates_keys(viewer):
+def test_dashboard_filters_and_paginates_keys(viewer, make_call):
     for i in range(45):
-        send(keys=[f"tenant:{i:02d}"])
-    send(keys=["other"])
+        make_call(keys=[f"tenant:{i:02d}"])
+    make_call(keys=["other"])
     first = viewer.get(DASHBOARD, {"q": "tenant"})
     assert len(first.context["rows"]) == 20 and first.context["matching"] == 45
     page = first.content.decode()
@@ -539,50 +531,50 @@ def test_admin_index_links_the_dashboard(viewer):
 # --- calls list and page for operators (issue 15) -------------------------------------------------
 
 
-def test_next_try_shows_when_a_limit_lets_the_call_start(operator):
+def test_next_try_shows_when_a_limit_lets_the_call_start(operator, make_call):
     RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
     log_starts("api", [db_now() - timedelta(minutes=1)])
-    send()
+    make_call()
     row = operator.get(CALLS).content.decode()
     assert "UTC (in 59 min) (limit of api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
 
 
-def test_age_of_a_finished_call_is_created_to_finished(operator):
+def test_age_of_a_finished_call_is_created_to_finished(operator, make_call):
     now = db_now()
-    send(status="done", created_at=now - timedelta(hours=3), finished_at=now - timedelta(hours=3) + timedelta(seconds=42))
+    make_call(status="done", created_at=now - timedelta(hours=3), finished_at=now - timedelta(hours=3) + timedelta(seconds=42))
     assert "42 s (finished)" in operator.get(CALLS).content.decode()
 
 
-def test_errors_are_shown_and_searchable(operator):
-    failing = send(status="failed", finished_at=db_now(), last_error="HTTPError: 503 from upstream gateway\nmore")
-    send()
+def test_errors_are_shown_and_searchable(operator, make_call):
+    failing = make_call(status="failed", finished_at=db_now(), last_error="HTTPError: 503 from upstream gateway\nmore")
+    make_call()
     page = operator.get(CALLS).content.decode()
     assert "HTTPError: 503 from upstream gateway" in page
     assert list(operator.get(CALLS, {"q": "upstream gateway"}).context["cl"].result_list) == [failing]
 
 
-def test_one_state_filter_covers_every_status(operator):
+def test_one_state_filter_covers_every_status(operator, make_call):
     page = operator.get(CALLS).content.decode()
     assert "By state" in page and "By status" not in page
-    running, dispatched = send(status="running"), send(status="dispatched")
+    running, dispatched = make_call(status="running"), make_call(status="dispatched")
     assert list(operator.get(CALLS, {"state": "dispatched"}).context["cl"].result_list) == [dispatched]
     assert list(operator.get(CALLS, {"state": "running"}).context["cl"].result_list) == [running]
 
 
-def test_key_filter_reaches_any_of_many_keys(operator):
+def test_key_filter_reaches_any_of_many_keys(operator, make_call):
     KeyState.objects.bulk_create([KeyState(key=f"tenant:{i:03d}") for i in range(300)])
-    wanted = send(keys=["tenant:299"])
-    send(keys=["tenant:001"])
+    wanted = make_call(keys=["tenant:299"])
+    make_call(keys=["tenant:001"])
     assert list(operator.get(CALLS, {"key": "tenant:299"}).context["cl"].result_list) == [wanted]
     suggested = operator.get(f"{CALLS}keys/", {"term": "tenant:29"}).json()["keys"]
     assert suggested == [f"tenant:{i}" for i in range(290, 300)]
     assert operator.get(f"{CALLS}keys/", {"term": "never-seen"}).json() == {"keys": []}
 
 
-def test_call_page_buttons_retry_and_cancel_and_leave_history(operator):
+def test_call_page_buttons_retry_and_cancel_and_leave_history(operator, make_call):
     from django.contrib.admin.models import LogEntry
 
-    failed = send(status="failed", attempts=3, finished_at=db_now(), last_error="boom")
+    failed = make_call(status="failed", attempts=3, finished_at=db_now(), last_error="boom")
     page = operator.get(f"{CALLS}{failed.id}/change/").content.decode()
     assert 'id="call-retry"' in page and 'id="call-cancel"' not in page
     response = operator.post(f"{CALLS}{failed.id}/retry/", follow=True)
@@ -597,18 +589,18 @@ def test_call_page_buttons_retry_and_cancel_and_leave_history(operator):
     assert operator.get(f"{CALLS}{failed.id}/retry/").status_code == 405
 
 
-def test_call_page_buttons_need_the_change_permission(viewer):
-    call = send()
+def test_call_page_buttons_need_the_change_permission(viewer, make_call):
+    call = make_call()
     assert 'id="call-cancel"' not in viewer.get(f"{CALLS}{call.id}/change/").content.decode()
     assert viewer.post(f"{CALLS}{call.id}/cancel/").status_code == 403
     call.refresh_from_db()
     assert call.status == "pending"
 
 
-def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator):
+def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator, make_call):
     RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
     log_starts("api", [db_now() - timedelta(minutes=30)])
-    call = send(run_at=db_now() + timedelta(minutes=5))
+    call = make_call(run_at=db_now() + timedelta(minutes=5))
     text = run_action(operator, CALLS, "retry_now", [call.id]).content.decode()
     assert "1 call is due now." in text
     assert f"Call #{call.id} still waits: key api: 1 per 1h used" in text and "it will start at 20" in text
@@ -632,15 +624,15 @@ def test_policy_page_pause_and_resume_buttons_leave_history(operator):
     assert messages == ["Paused for 2m", "Resumed"]
 
 
-def test_finished_call_page_has_no_why_it_waits_and_one_time_format(operator):
-    call = send(status="done", finished_at=db_now())
+def test_finished_call_page_has_no_why_it_waits_and_one_time_format(operator, make_call):
+    call = make_call(status="done", finished_at=db_now())
     page = operator.get(f"{CALLS}{call.id}/change/").content.decode()
     assert "Why it waits" not in page and "not waiting" not in page
     assert page.count(" UTC (") >= 3 and "p.m." not in page and "a.m." not in page
 
 
-def test_attempt_history_tells_429_deferrals_from_counted_attempts(operator):
-    call = send(deferrals=2, attempts=1)
+def test_attempt_history_tells_429_deferrals_from_counted_attempts(operator, make_call):
+    call = make_call(deferrals=2, attempts=1)
     now = db_now()
     for number, outcome in enumerate(["rate_limited", "rate_limited", "error"], start=1):
         Attempt.objects.create(call=call, number=number, started_at=now, finished_at=now, outcome=outcome)
@@ -650,9 +642,9 @@ def test_attempt_history_tells_429_deferrals_from_counted_attempts(operator):
     assert "1/3 (+2 deferred by 429, not counted)" in page
 
 
-def test_paused_wording_does_not_repeat_itself(operator):
+def test_paused_wording_does_not_repeat_itself(operator, make_call):
     RateLimit.objects.pause_key("api", timedelta(minutes=2))
-    page = operator.get(f"{CALLS}{send().id}/change/").content.decode()
+    page = operator.get(f"{CALLS}{make_call().id}/change/").content.decode()
     assert "key api is paused by operator until 20" in page and "(paused by operator)" not in page
     assert "until in" not in page
 
@@ -666,3 +658,9 @@ def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
     entries = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id"))
     assert [(e.user.username, e.is_addition(), e.is_change()) for e in entries] == [("op", True, False), ("op", False, True)]
     assert entries[1].get_change_message() == "Changed limit."
+
+
+@pytest.mark.parametrize("model", ["callqueue", "ratelimit"])
+def test_the_calls_and_rate_limit_lists_link_to_the_dashboard(operator, model):
+    page = operator.get(f"/admin/dispatcher/{model}/").content.decode()
+    assert 'href="/admin/dispatcher/dashboard/">Dashboard</a>' in page

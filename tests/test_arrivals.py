@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 
 from dispatcher.models import Attempt, CallQueue, RateLimit
-from tests.fakeapi import Bucket, Smooth, Window
-from tests.procs import wait_until
+from support.fakeapi import Bucket, Smooth, Window
+from support.processes import wait_until
 
 # name: (what the partner enforces on arrival, our policy of the same numbers, calls, cost per call)
 SHAPES = {

@@ -16,7 +16,7 @@ from django.contrib.auth.models import User
 from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, RateLimit
 from dispatcher.worker import execute
-from tests.procs import ROOT, database_url, wait_until
+from support.processes import ROOT, database_url, wait_until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [

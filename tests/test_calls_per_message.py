@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 
 from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
-from tests.fakeapi import max_in_window
-from tests.procs import wait_until
+from support.fakeapi import max_in_window
+from support.processes import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -9,7 +9,7 @@ import sys
 import yaml
 
 from dispatcher.conf import DispatcherSettings
-from tests.procs import ROOT
+from support.processes import ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]

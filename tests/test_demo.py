@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT
+from support.processes import ROOT
 
 
 @pytest.mark.embedded

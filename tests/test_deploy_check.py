@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT
+from support.processes import ROOT
 
 
 def test_check_deploy_is_clean_for_production_settings(tmp_path):

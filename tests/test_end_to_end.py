@@ -1,6 +1,7 @@
 """The whole path on real parts: send -> dispensers -> Redis -> Celery workers -> fake API."""
 from __future__ import annotations
 
+import os
 import sqlite3
 import subprocess
 import sys
@@ -10,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
-from tests.fakeapi import max_in_window
-from tests.procs import ROOT, Processes, wait_until
+from support.fakeapi import max_in_window
+from support.processes import ROOT, Processes, wait_until
 
 
 def latency_spread(api, starts_by_call: dict[str, float]) -> float:
@@ -160,7 +161,7 @@ def test_embedded_default_runs_the_whole_path_on_sqlite_and_the_filesystem_broke
         "EMBEDDED_BROKER_DIR": str(tmp_path / "broker"),
         "PYTHONUNBUFFERED": "1",
     }
-    procs = Processes(env, tmp_path)
+    procs = Processes({**os.environ, **env}, tmp_path)
     for name in ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_TASK_DEFAULT_QUEUE"):
         procs.env.pop(name, None)
     try:

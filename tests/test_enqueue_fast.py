@@ -9,7 +9,7 @@ from django.db import connection, transaction
 
 from dispatcher.models import CallQueue
 from dispatcher.registry import handler, unregister
-from tests.procs import database_url
+from support.processes import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

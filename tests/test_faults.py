@@ -12,8 +12,8 @@ from celery import Celery
 
 from dispatcher.clock import db_now
 from dispatcher.models import Attempt, CallQueue, RateLimit
-from tests.fakeapi import max_in_window
-from tests.procs import wait_until
+from support.fakeapi import max_in_window
+from support.processes import wait_until
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

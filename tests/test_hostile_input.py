@@ -16,7 +16,7 @@ from django.test import Client
 
 from dispatcher.exceptions import InvalidCall, InvalidKey, InvalidParams
 from dispatcher.models import CallQueue, KeyState, RateLimit
-from tests.procs import wait_until
+from support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -340,3 +340,43 @@ def test_a_row_stored_with_950_deep_params_does_not_break_the_admin_the_api_or_s
         response = client.get(url, query, HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
         assert response.status_code == 200, url
     assert "too deeply to read" in client.get(f"/admin/dispatcher/callqueue/{call.id}/change/").content.decode()
+
+
+def store_raw(call_id: int, **columns: str) -> None:
+    sets = ", ".join(f"{name} = %s" + ("::jsonb" if name == "cost" else "") for name in columns)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE dispatcher_call SET {sets} WHERE id = %s", [*columns.values(), call_id])
+
+
+@pytest.mark.postgres
+def test_rows_with_unreadable_keys_or_cost_are_failed_and_the_others_still_rescued_and_dispensed():
+    from dispatcher.dispenser import Dispenser
+
+    good = [CallQueue.objects.send("noop", {}, keys=[key]) for key in ("a", "b")]
+    waiting_bad = {
+        "{not json": CallQueue.objects.send("noop", {}, keys=["c"]),
+        "[1]": CallQueue.objects.send("noop", {}, keys=["d"]),
+        '{"e": 1}': CallQueue.objects.send("noop", {}, keys=["e"]),
+    }
+    for text, call in waiting_bad.items():
+        store_raw(call.id, key_set=text)
+    bad_cost = CallQueue.objects.send("noop", {}, keys=["a"], priority=9)
+    store_raw(bad_cost.id, cost='"lots"')
+    stuck_bad = CallQueue.objects.send("noop", {}, keys=["f"])
+    stuck_good = CallQueue.objects.send("noop", {}, keys=["f"])
+    CallQueue.objects.filter(id__in=[stuck_bad.id, stuck_good.id]).update(status="dispatched", dispatch_no=1)
+    store_raw(stuck_bad.id, key_set="[[", dispatched_at="2020-01-01 00:00:00+00")
+    store_raw(stuck_good.id, dispatched_at="2020-01-01 00:00:00+00")
+
+    report = CallQueue.objects.rescue()
+    assert report.dispatched == 1 and sorted(report.ids) == sorted([stuck_bad.id, stuck_good.id])
+    # The sweep and the pass serve every good call: both waiting ones and the rescued one.
+    assert Dispenser().run_once().moved == 3
+    statuses = dict(CallQueue.objects.values_list("id", "status"))
+    assert [statuses[c.id] for c in (*good, stuck_good)] == ["dispatched"] * 3
+    for call in (*waiting_bad.values(), bad_cost, stuck_bad):
+        call.refresh_from_db()
+        assert call.status == "failed", call.id
+        assert call.last_error.startswith("unreadable row: the stored"), call.last_error
+    # A second pass finds nothing left to stop it.
+    assert Dispenser().run_once().moved == 0

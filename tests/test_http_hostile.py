@@ -16,7 +16,7 @@ from dispatcher import PermanentError
 from dispatcher.exceptions import InvalidParams
 from dispatcher.handlers import RetryableHTTPError, http, validate_http
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
-from tests.fakeapi import FakeAPI
+from support.fakeapi import FakeAPI
 
 pytestmark = pytest.mark.django_db
 

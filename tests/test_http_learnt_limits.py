@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 
 from dispatcher.models import CallQueue, LearntLimit, RateLimit
-from tests.fakeapi import FakeAPI
-from tests.procs import wait_until
+from support.fakeapi import FakeAPI
+from support.processes import wait_until
 
 LIMIT, PERIOD = 10, 2.0
 CALLS = 40

@@ -16,18 +16,10 @@ from django.test.utils import CaptureQueriesContext
 from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.models import CallQueue, Heartbeat
-from tests.procs import wait_until
+from dispatcher.models import Heartbeat
+from support.processes import wait_until
 
 pytestmark = pytest.mark.django_db
-
-
-def send(**fields) -> CallQueue:
-    call = CallQueue.objects.send("noop", {}, keys=["api"])
-    if fields:
-        CallQueue.objects.filter(id=call.id).update(**fields)
-        call.refresh_from_db()
-    return call
 
 
 def heartbeat(kind: str, age: timedelta, name: str = "") -> Heartbeat:
@@ -41,32 +33,32 @@ def admin_client() -> Client:
     return client
 
 
-def test_a_waiting_call_says_no_dispenser_has_run_since_its_last_heartbeat():
+def test_a_waiting_call_says_no_dispenser_has_run_since_its_last_heartbeat(make_call):
     heartbeat("dispenser", timedelta(minutes=4))
     heartbeat("worker", timedelta(seconds=1))
-    explanation = live.explain_call(send())
+    explanation = live.explain_call(make_call())
     assert explanation.stalled.startswith("no dispenser has run since ") and "(4 min ago)" in explanation.stalled
     assert explanation.summary() == f"due now, but nothing will send it; {explanation.stalled}"
 
 
-def test_a_waiting_call_with_a_live_dispenser_is_due_now():
+def test_a_waiting_call_with_a_live_dispenser_is_due_now(make_call):
     heartbeat("dispenser", timedelta(seconds=2))
-    explanation = live.explain_call(send())
+    explanation = live.explain_call(make_call())
     assert explanation.stalled == "" and explanation.summary() == "due now: the next dispense pass will send it"
 
 
-def test_before_any_dispenser_ran_the_call_says_so():
-    assert live.explain_call(send()).stalled == "no dispenser has run yet"
+def test_before_any_dispenser_ran_the_call_says_so(make_call):
+    assert live.explain_call(make_call()).stalled == "no dispenser has run yet"
 
 
-def test_a_call_left_in_the_broker_says_no_worker_has_picked_it_up():
+def test_a_call_left_in_the_broker_says_no_worker_has_picked_it_up(make_call):
     heartbeat("dispenser", timedelta(seconds=1))
     heartbeat("worker", timedelta(minutes=10))
-    call = send(status="dispatched", dispatched_at=db_now() - timedelta(minutes=4))
+    call = make_call(status="dispatched", dispatched_at=db_now() - timedelta(minutes=4))
     stalled = live.explain_call(call).stalled
     assert stalled.startswith("dispatched 4 min ago, no worker has picked it up; no worker has reported since ")
     # A call dispatched a moment ago is on its way: nothing to say.
-    fresh = send(status="dispatched", dispatched_at=db_now())
+    fresh = make_call(status="dispatched", dispatched_at=db_now())
     assert live.explain_call(fresh).stalled == ""
 
 
@@ -94,16 +86,16 @@ def test_the_admin_index_and_dashboard_warn_when_no_dispenser_runs(admin_client)
     assert "no dispenser has run yet" in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
 
 
-def test_the_call_page_says_why_a_dispatched_call_does_not_move(admin_client):
-    call = send(status="dispatched", dispatched_at=db_now() - timedelta(minutes=4))
+def test_the_call_page_says_why_a_dispatched_call_does_not_move(admin_client, make_call):
+    call = make_call(status="dispatched", dispatched_at=db_now() - timedelta(minutes=4))
     page = admin_client.get(f"/admin/dispatcher/callqueue/{call.id}/change/").content.decode()
     assert "dispatched 4 min ago, no worker has picked it up; no worker has reported yet" in page
 
 
-def test_dispatcher_status_and_metrics_report_liveness(admin_client):
+def test_dispatcher_status_and_metrics_report_liveness(admin_client, make_call):
     heartbeat("dispenser", timedelta(minutes=5))
     heartbeat("worker", timedelta(seconds=1))
-    send()
+    make_call()
     out = StringIO()
     call_command("dispatcher_status", stdout=out)
     text = out.getvalue()
@@ -150,11 +142,11 @@ def test_the_calls_list_warns_only_when_something_is_missing(admin_client):
     assert 'id="dispatcher-liveness"' not in admin_client.get("/admin/dispatcher/callqueue/").content.decode()
 
 
-def test_a_free_slot_says_nothing_will_use_it_while_no_dispenser_runs(admin_client):
+def test_a_free_slot_says_nothing_will_use_it_while_no_dispenser_runs(admin_client, make_call):
     from dispatcher.models import RateLimit
 
     RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
-    send()
+    make_call()
     assert "now, but no dispenser runs" in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
     out = StringIO()
     call_command("dispatcher_status", stdout=out)

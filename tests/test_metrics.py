@@ -44,6 +44,12 @@ def test_metrics_report_calls_starts_and_limiter_use(client, settings):
     assert used == [1]
 
 
+def test_metrics_read_the_bearer_scheme_as_the_api_does_in_any_case(client, settings):
+    settings.DISPATCHER_METRICS_TOKENS = "m-token"
+    assert client.get("/metrics", HTTP_AUTHORIZATION="bearer  m-token ").status_code == 200
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Basic m-token").status_code == 401
+
+
 def test_metrics_are_closed_to_anonymous_and_unprivileged_users(client):
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer guess").status_code == 401

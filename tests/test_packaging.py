@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakeapi import max_in_window
-from tests.procs import ROOT, Processes, wait_until
+from support.fakeapi import max_in_window
+from support.processes import ROOT, Processes, wait_until
 
 README_SECTION = "## Into an existing project"
 
@@ -118,12 +118,10 @@ def test_a_startproject_site_follows_the_readme_to_paced_calls_and_tasks(wheel, 
     long_running = [c for c in commands if c[:1] == ["celery"] or "--loop" in c]
     assert [c[:3] for c in long_running] == [["celery", "-A", "mysite"], ["python", "manage.py", "dispense"]]
 
-    procs = Processes({}, tmp_path)
-    procs.env = env  # exactly the user's shell, not this test run's environment
-    procs.start = _in_folder(procs, site)  # type: ignore[method-assign]
+    procs = Processes(env, tmp_path)  # exactly the user's shell, not this test run's environment
     try:
         for command in long_running:
-            procs.start(command[0], *command)
+            procs.start(command[0], *command, cwd=site)
         shell = block("# python manage.py shell\nfrom dispatcher.models")
         enqueue = block("# python manage.py shell\nfrom mysite.tasks")
         program = (
@@ -161,20 +159,3 @@ def test_a_startproject_site_follows_the_readme_to_paced_calls_and_tasks(wheel, 
         "/v1/ping": 1, **{f"/v1/accounts/acme-{n}": 1 for n in range(4)}
     }
     assert len(final["starts"]) == 5 and max_in_window(final["starts"], 1.0) <= 2
-
-
-def _in_folder(procs: Processes, folder: Path):
-    """Return a Processes.start that runs its command in the site's folder."""
-    import subprocess as sp
-
-    def start(name: str, *args: str, extra_env: dict[str, str] | None = None):
-        log_path = procs.log_dir / f"{name}-{len(procs.procs)}.log"
-        with open(log_path, "wb") as log_file:
-            proc = sp.Popen(
-                list(args), cwd=folder, env={**procs.env, **(extra_env or {})}, stdout=log_file,
-                stderr=sp.STDOUT, start_new_session=True,
-            )
-        procs.procs.append((proc, log_path))
-        return proc
-
-    return start

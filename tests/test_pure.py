@@ -116,7 +116,7 @@ def test_combined_verdict_is_the_tightest():
 
 
 def test_max_in_window_counts_a_closed_interval():
-    from dispatcher.windows import max_in_window
+    from support.windows import max_in_window
 
     assert max_in_window([0.0, 0.5, 1.0, 2.5], 1.0) == 3
     assert max_in_window([0.0, 1.01, 2.02], 1.0) == 1

@@ -11,7 +11,7 @@ from dispatcher.clock import db_now
 from dispatcher.exceptions import InvalidParams
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.redact import REDACTED, redact, redact_text
-from tests.procs import wait_until
+from support.processes import wait_until
 
 SECRETS = ["SEKRIT-1", "SEKRIT-2", "SEKRIT-3", "SEKRIT-4", "SEKRIT-5", "SEKRIT-6"]
 PARAMS = {

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 
 from dispatcher.models import Attempt, CallQueue, RateLimit
-from tests.fakeapi import max_in_window
+from support.fakeapi import max_in_window
 from tests.test_faults import all_finished, terminate_other_backends
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]

@@ -10,18 +10,10 @@ from django.core.management import call_command
 
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from dispatcher.models import Attempt, KeyState, RateLimit
 from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
-
-
-def send(keys: list[str], **fields) -> CallQueue:
-    call = CallQueue.objects.send("noop", {}, keys=keys)
-    if fields:
-        CallQueue.objects.filter(id=call.id).update(**fields)
-        call.refresh_from_db()
-    return call
 
 
 def starts(key: str, *ages_seconds: float) -> None:
@@ -30,14 +22,14 @@ def starts(key: str, *ages_seconds: float) -> None:
 
 
 @pytest.fixture
-def busy_key():
+def busy_key(make_call):
     """Key 'api': 3 per minute, concurrency 2; 2 starts in the window, 1 before; 1 reserved; 4 waiting."""
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     starts("api", 40, 10, 500)
     KeyState.objects.update_or_create(key="api", defaults={"reserved": 1, "reserved_units": 1})
     now = db_now()
-    calls = [send(["api"], created_at=now - timedelta(seconds=age)) for age in (300, 120, 60)]
-    calls.append(send(["api"], run_at=now + timedelta(hours=1)))
+    calls = [make_call(keys=["api"], created_at=now - timedelta(seconds=age)) for age in (300, 120, 60)]
+    calls.append(make_call(keys=["api"], run_at=now + timedelta(hours=1)))
     return calls
 
 
@@ -55,9 +47,9 @@ def test_key_status_counts_window_flight_and_backlog(busy_key):
     assert status.drain_time == timedelta(minutes=2, milliseconds=40)
 
 
-def test_key_statuses_lists_keys_worth_showing_only(busy_key):
+def test_key_statuses_lists_keys_worth_showing_only(busy_key, make_call):
     RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
-    send(["tenant:7"])
+    make_call(keys=["tenant:7"])
     starts("quiet", 7200)
     KeyState.objects.create(key="idle")
     keys = [s.key for s in live.key_statuses()]
@@ -66,44 +58,44 @@ def test_key_statuses_lists_keys_worth_showing_only(busy_key):
     assert tenant.governed_by == "tenant:*" and tenant.room == 5 and tenant.next_free_at == tenant.now
 
 
-def test_pattern_pause_shows_on_matching_key():
+def test_pattern_pause_shows_on_matching_key(make_call):
     RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
     until = RateLimit.objects.pause_key("tenant:*", timedelta(minutes=5))
-    send(["tenant:1"])
+    make_call(keys=["tenant:1"])
     (status,) = live.key_statuses(["tenant:1"])
     assert status.paused_until == until and status.blocked
     assert status.drain_time >= timedelta(minutes=4)
 
 
-def test_explains_a_future_run_at():
-    call = send(["free"], run_at=db_now() + timedelta(minutes=10))
+def test_explains_a_future_run_at(make_call):
+    call = make_call(keys=["free"], run_at=db_now() + timedelta(minutes=10))
     explanation = live.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["run_at"]
     assert "scheduled" in explanation.summary() and "in 10 min" in explanation.summary()
     assert explanation.until == call.run_at
 
 
-def test_explains_a_retry_backoff():
-    call = send(["free"], attempts=1, run_at=db_now() + timedelta(seconds=30), last_error="RuntimeError: boom")
+def test_explains_a_retry_backoff(make_call):
+    call = make_call(keys=["free"], attempts=1, run_at=db_now() + timedelta(seconds=30), last_error="RuntimeError: boom")
     Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="error", error="boom")
     explanation = live.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["backoff"]
     assert "attempt 1 of 3" in explanation.summary() and "in 30 s" in explanation.summary()
 
 
-def test_explains_a_429_deferral_and_the_pause_it_set():
+def test_explains_a_429_deferral_and_the_pause_it_set(make_call):
     RateLimit.objects.pause_key("downstream", timedelta(seconds=90), reason="429 from call #1")
-    call = send(["downstream"], deferrals=1, run_at=db_now() + timedelta(seconds=90))
+    call = make_call(keys=["downstream"], deferrals=1, run_at=db_now() + timedelta(seconds=90))
     Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="rate_limited")
     explanation = live.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["deferred", "paused"]
     assert "key downstream is paused (429 from call #1)" in explanation.summary()
 
 
-def test_explains_a_full_window_with_the_time_its_slot_frees():
+def test_explains_a_full_window_with_the_time_its_slot_frees(make_call):
     RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
     starts("api", 50, 5)
-    call = send(["api"])
+    call = make_call(keys=["api"])
     explanation = live.explain_call(call)
     (reason,) = explanation.reasons
     assert reason.kind == "rate" and reason.key == "api"
@@ -111,22 +103,22 @@ def test_explains_a_full_window_with_the_time_its_slot_frees():
     assert 8 <= (explanation.until - explanation.now).total_seconds() <= 12
 
 
-def test_explains_a_concurrency_cap_without_an_end_time():
+def test_explains_a_concurrency_cap_without_an_end_time(make_call):
     RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     KeyState.objects.update_or_create(key="slow", defaults={"running": 1})
-    explanation = live.explain_call(send(["slow"]))
+    explanation = live.explain_call(make_call(keys=["slow"]))
     assert [r.kind for r in explanation.reasons] == ["concurrency"]
     assert explanation.until is None and "concurrency 1/1" in explanation.summary()
 
 
-def test_a_due_call_with_room_is_explained_as_due_now():
+def test_a_due_call_with_room_is_explained_as_due_now(make_call):
     RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
-    explanation = live.explain_call(send(["api"]))
+    explanation = live.explain_call(make_call(keys=["api"]))
     assert explanation.reasons == [] and explanation.summary().startswith("due now")
 
 
-def test_a_finished_call_is_not_waiting():
-    call = send(["api"], status="done")
+def test_a_finished_call_is_not_waiting(make_call):
+    call = make_call(keys=["api"], status="done")
     assert live.explain_call(call).summary() == "not waiting"
 
 

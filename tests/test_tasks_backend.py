@@ -12,8 +12,8 @@ from dispatcher.exceptions import InvalidCall
 from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyStart, RateLimit
 from dispatcher.worker import execute
-from tests.fakeapi import max_in_window
-from tests.procs import wait_until
+from support.fakeapi import max_in_window
+from support.processes import wait_until
 from tests.testapp.tasks import add, add_later, fail, fetch_account
 
 try:

@@ -21,20 +21,12 @@ def run(*args: str) -> str:
     return out.getvalue()
 
 
-def send(keys: list[str] | None = None, **fields) -> CallQueue:
-    call = CallQueue.objects.send("noop", {}, keys=keys or ["api"])
-    if fields:
-        CallQueue.objects.filter(id=call.id).update(**fields)
-        call.refresh_from_db()
-    return call
-
-
 # --- prune_calls -----------------------------------------------------------------------------------
 
 
-def test_prune_dry_run_says_when_the_cutoff_was_raised_to_the_longest_policy_period():
+def test_prune_dry_run_says_when_the_cutoff_was_raised_to_the_longest_policy_period(make_call):
     RateLimit.objects.set_policy("api", 100, timedelta(hours=1))
-    send(status="done", finished_at=db_now() - timedelta(minutes=10))
+    make_call(status="done", finished_at=db_now() - timedelta(minutes=10))
     text = run("prune_calls", "--dry-run", "--older-than", "1m")
     assert text.strip() == (
         "would delete 0 finished calls older than 1h: the cutoff was raised from 1m to the longest policy "
@@ -43,9 +35,9 @@ def test_prune_dry_run_says_when_the_cutoff_was_raised_to_the_longest_policy_per
     assert CallQueue.objects.count() == 1
 
 
-def test_prune_without_a_longer_policy_reports_the_cutoff_it_used():
+def test_prune_without_a_longer_policy_reports_the_cutoff_it_used(make_call):
     RateLimit.objects.set_policy("api", 100, timedelta(seconds=30))
-    send(status="done", finished_at=db_now() - timedelta(minutes=10))
+    make_call(status="done", finished_at=db_now() - timedelta(minutes=10))
     assert run("prune_calls", "--dry-run", "--older-than", "1m").strip() == "would delete 1 finished calls older than 1m"
 
 
@@ -71,10 +63,10 @@ def test_ratelimit_pause_of_an_unknown_key_is_refused_unless_created():
     assert KeyState.objects.get(key="mailgnu").paused_until > db_now()
 
 
-def test_ratelimit_pause_accepts_keys_known_by_policy_pattern_or_waiting_call():
+def test_ratelimit_pause_accepts_keys_known_by_policy_pattern_or_waiting_call(make_call):
     RateLimit.objects.set_policy("mailgun", 5, timedelta(minutes=1))
     RateLimit.objects.set_policy("tenant:*", 5, timedelta(minutes=1))
-    send(keys=["stripe"])
+    make_call(keys=["stripe"])
     for key in ("mailgun", "tenant:42", "stripe"):
         assert f"paused {key} until" in run("ratelimit", "pause", key, "--for", "1m")
 
@@ -83,17 +75,17 @@ def test_ratelimit_pause_accepts_keys_known_by_policy_pattern_or_waiting_call():
 
 
 @pytest.fixture
-def history():
+def history(make_call):
     RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
     now = db_now()
-    send()
-    send(status="running")
-    send(status="done", finished_at=now)
-    failed = send(status="failed", finished_at=now, attempts=3, last_error="HTTPError: 503")
+    make_call()
+    make_call(status="running")
+    make_call(status="done", finished_at=now)
+    failed = make_call(status="failed", finished_at=now, attempts=3, last_error="HTTPError: 503")
     for number in (1, 2, 3):
         Attempt.objects.create(call=failed, number=number, started_at=now, finished_at=now, outcome="error",
                                error=f"HTTPError: 503 (try {number})")
-    send(keys=["other"], status="cancelled", finished_at=now)
+    make_call(keys=["other"], status="cancelled", finished_at=now)
 
 
 def test_dispatcher_status_shows_totals_failures_and_recent_errors_per_key(history):
@@ -126,10 +118,10 @@ def test_calls_list_shows_failed_calls_with_their_error(history):
     assert [c["status"] for c in json.loads(run("calls", "list", "--key", "other", "--json"))] == ["cancelled"]
 
 
-def test_calls_retry_and_cancel_go_through_the_manager():
-    failed = send(status="failed", finished_at=db_now(), attempts=3)
-    waiting = send(run_at=db_now() + timedelta(hours=1))
-    done = send(status="done", finished_at=db_now())
+def test_calls_retry_and_cancel_go_through_the_manager(make_call):
+    failed = make_call(status="failed", finished_at=db_now(), attempts=3)
+    waiting = make_call(run_at=db_now() + timedelta(hours=1))
+    done = make_call(status="done", finished_at=db_now())
     assert run("calls", "retry", str(failed.id), f"#{waiting.id}", str(done.id)).strip() == (
         "2 of 3 calls are due now (the others were in flight, done or cancelled and were left alone)"
     )
@@ -151,8 +143,8 @@ def test_calls_refuses_bad_arguments(args, message):
         call_command(*args)
 
 
-def test_calls_with_an_unknown_id_changes_nothing():
-    waiting = send()
+def test_calls_with_an_unknown_id_changes_nothing(make_call):
+    waiting = make_call()
     with pytest.raises(CommandError, match=f"no call with id #{waiting.id + 100}; nothing was changed"):
         call_command("calls", "cancel", str(waiting.id), str(waiting.id + 100))
     waiting.refresh_from_db()

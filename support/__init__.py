@@ -1,0 +1,1 @@
+"""Code shared by the tests, the demo and the benchmarks; not part of the shipped app."""
