@@ -42,11 +42,13 @@ class Processes:
         self.procs.append((proc, log_path))
         return proc
 
-    def worker(self, queue: str, concurrency: int = 2, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    def worker(
+        self, queue: str, concurrency: int = 2, extra_env: dict[str, str] | None = None, pool: str = "prefork",
+    ) -> subprocess.Popen:
         return self.start(
             "worker", sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", queue, "-c", str(concurrency),
-            "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", f"w{len(self.procs)}@%h",
-            extra_env=extra_env,
+            "-P", pool, "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
+            "-n", f"w{len(self.procs)}@%h", extra_env=extra_env,
         )
 
     def dispenser(self, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
