@@ -435,6 +435,67 @@ def completed_calls(ctx: Context) -> list[Figure]:
     return figures
 
 
+def http_threads(ctx: Context) -> list[Figure]:
+    """Calls to a local API that answers after 100 ms, a policy that does not bind, one worker `-P threads -c 32`.
+
+    Beside it, in the same run and on the same worker: a plain Celery task making the same
+    request with one pooled httpx client per process.
+    """
+    import redis
+    from django.db.models import Max, Min
+
+    from bench.tasks import http_get
+    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from support.fakeapi import FakeAPI
+    from support.processes import wait_until
+
+    # 600 as in the issue's anchor; 300 in quick mode, which CI runs under a time limit.
+    n = 600 if ctx.sizes is FULL else 300
+    api = FakeAPI().start()
+    url = f"{api.url}/slow?delay=0.1"
+    procs = ctx.processes(**_http_env())
+    client = redis.Redis.from_url(ctx.redis_url)
+    counter = f"bench-http-{uuid.uuid4().hex[:8]}"
+    try:
+        procs.worker(ctx.queue, concurrency=32, pool="threads")
+        http_get.apply_async((url, counter), queue=ctx.queue)
+        check(wait_until(lambda: int(client.get(counter) or 0) >= 1, 60), "worker never started:\n" + procs.logs())
+        started = time.perf_counter()
+        for _ in range(n):
+            http_get.apply_async((url, counter), queue=ctx.queue)
+        check(wait_until(lambda: int(client.get(counter) or 0) >= n + 1, 300, interval=0.05), "plain tasks lost")
+        baseline = _rate(n, time.perf_counter() - started)
+
+        reset_tables()
+        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
+        CallQueue.objects.send_many(
+            [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["api"]} for _ in range(n)]
+        )
+        procs.dispenser()
+        check(_wait_done(n, 600), f"only {count_status('done')} of {n} calls done")
+        check(CallQueue.objects.filter(status="done").count() == n, "calls lost")
+        check(Attempt.objects.count() == n, "a call ran twice")
+        span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
+        seconds = (span["last"] - span["first"]).total_seconds()
+        rate = _rate(n, seconds)
+    finally:
+        procs.stop_all()
+        api.stop()
+        client.delete(counter)
+        client.close()
+    return [
+        Figure(
+            f"completed calls ({n:,} to a 100 ms API, http handler, 1 worker -P threads -c 32)",
+            f"{rate:,.0f}/s ({rate / baseline:.2f}x)",
+            ">= 0.8x baseline",
+            f"plain Celery task, pooled client {baseline:,.0f}/s",
+            rate >= 0.8 * baseline,
+            {"rate": rate, "baseline": baseline, "ratio": rate / baseline, "first_start_to_last_finish": seconds,
+             "connections": api.connections},
+        )
+    ]
+
+
 # --- enqueue ------------------------------------------------------------------------------------
 
 def enqueue(ctx: Context) -> list[Figure]:
@@ -712,6 +773,7 @@ ALL = {
     "utilisation_bucket": utilisation_bucket,
     "limit_size": limit_size,
     "completed": completed_calls,
+    "http_threads": http_threads,
     "enqueue": enqueue,
     "memory": dispenser_memory,
     "http_latency": http_latency,

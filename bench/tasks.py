@@ -17,3 +17,21 @@ def count(counter: str) -> None:
     if _client is None:
         _client = redis.Redis.from_url(os.environ["BENCH_REDIS_URL"])
     _client.incr(counter)
+
+
+_http = None
+
+
+@shared_task(name="bench.http_get", ignore_result=True)
+def http_get(url: str, counter: str) -> None:
+    """GET a URL with one pooled client per process, then count it (the baseline of an http call)."""
+    global _client, _http
+    import httpx
+    import redis
+
+    if _http is None:
+        _http = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    if _client is None:
+        _client = redis.Redis.from_url(os.environ["BENCH_REDIS_URL"])
+    _http.get(url).raise_for_status()
+    _client.incr(counter)

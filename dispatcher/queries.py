@@ -583,8 +583,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if keys:
                 states = limiter.lock_keys(keys)
                 # Read after the lock wait, so a policy edit committed meanwhile binds this start.
-                policies = limiter.Policies.load()
-                now = db_now()
+                policies, now = limiter.Policies.load_with_clock()
                 # Re-checked at the start itself: a message may have waited in the broker while
                 # the window filled, a policy tightened or a pause began.
                 assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)

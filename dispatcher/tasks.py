@@ -2,10 +2,25 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from celery import shared_task
 
 log = logging.getLogger("dispatcher")
+
+
+def _release_greenlet_connection() -> None:
+    """Close the task's database connection when the task runs in its own greenlet (gevent).
+
+    Django keeps a connection per thread, which under gevent's patched ``threading`` means per
+    greenlet, and Celery's gevent pool runs every task in a new one: left open, each task's
+    connection would linger until garbage collection, far more of them than the pool's size.
+    """
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        from django.db import connection
+
+        connection.close()
 
 
 @shared_task(name="dispatcher.run_call", ignore_result=True)
@@ -18,7 +33,10 @@ def run_call(call_id: int, dispatch_no: int) -> str:
     # Workers keep their connection across tasks (CELERY_DB_REUSE_MAX); drop it here if it
     # failed or outlived CONN_MAX_AGE, as Django does at the start of a request.
     close_old_connections()
-    return execute(call_id, dispatch_no)
+    try:
+        return execute(call_id, dispatch_no)
+    finally:
+        _release_greenlet_connection()
 
 
 @shared_task(name="dispatcher.run_calls", ignore_result=True)
@@ -39,6 +57,7 @@ def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
             log.exception("run_calls_failed call=%s dispatch=%s", call_id, dispatch_no)
             state = "failed_to_record"
         outcomes[state] = outcomes.get(state, 0) + 1
+    _release_greenlet_connection()
     return outcomes
 
 

@@ -80,12 +80,14 @@ class Processes:
         self.names.append(name)
         return proc
 
-    def worker(self, queue: str, concurrency: int = 2, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start a Celery worker of the project on one queue."""
+    def worker(
+        self, queue: str, concurrency: int = 2, extra_env: dict[str, str] | None = None, pool: str = "prefork",
+    ) -> subprocess.Popen:
+        """Start a Celery worker of the project on one queue, under the given pool."""
         return self.start(
             "worker", sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", queue, "-c", str(concurrency),
-            "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", f"w{len(self.procs)}@%h",
-            extra_env=extra_env,
+            "-P", pool, "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat",
+            "-n", f"w{len(self.procs)}@%h", extra_env=extra_env,
         )
 
     def dispenser(self, extra_env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -41,6 +41,7 @@ class Clock:
 def clock(monkeypatch, settings) -> Clock:
     import dispatcher.clock
     import dispatcher.dispenser
+    import dispatcher.limiter
     import dispatcher.queries
 
     settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
@@ -51,6 +52,10 @@ def clock(monkeypatch, settings) -> Clock:
     fake = Clock()
     for module in (dispatcher.clock, dispatcher.queries, dispatcher.dispenser):
         monkeypatch.setattr(module, "db_now", fake)
+    # A start reads the policies and the clock in one statement on PostgreSQL; keep its clock fake too.
+    monkeypatch.setattr(
+        dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls: (cls.load(), fake()))
+    )
     return fake
 
 
