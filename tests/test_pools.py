@@ -10,8 +10,8 @@ import psycopg
 import pytest
 
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
-from support.windows import max_in_window
 from support.processes import wait_until
+from support.windows import max_in_window
 from tests.test_end_to_end import all_finished, http_call, latency_spread, start_times
 
 CALLS = 60
