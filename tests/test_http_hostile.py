@@ -127,7 +127,7 @@ def test_timeout_bounds_the_whole_call_against_a_trickling_answer(serve):
     began = time.monotonic()
     with pytest.raises(RetryableHTTPError, match="within 1s"):
         http(method="GET", url=f"{server.url}/trickle", timeout=1)
-    assert time.monotonic() - began < 1.5
+    assert time.monotonic() - began < 3  # the timeout plus a constant; unbounded, the answer takes 8 s
 
 
 def test_timeout_bounds_trickling_headers_too():
@@ -153,7 +153,7 @@ def test_timeout_bounds_trickling_headers_too():
     try:
         with pytest.raises(RetryableHTTPError):
             http(method="GET", url=f"http://127.0.0.1:{port}/", timeout=1)
-        assert time.monotonic() - began < 1.5
+        assert time.monotonic() - began < 3  # the timeout plus a constant; unbounded, 10 s
     finally:
         stop.set()
         thread.join(5)
