@@ -496,32 +496,24 @@ def adjust(
 
     if not keys or (reserved == 0 and running == 0):
         return
-    if totals:
-        sign = 1 if reserved > 0 else -1
-        for key in keys:
-            KeyState.objects.filter(key=key).update(
-                reserved=models.F("reserved") + reserved,
-                reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
-                running=models.F("running") + running,
-                total=totals[key],
-            )
-        return
-    if reserved == 0:
+    if reserved == 0 and not totals:
         KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
         return
-    if units is None:
+    if units is None and not totals:
         KeyState.objects.filter(key__in=list(keys)).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + reserved,
             running=models.F("running") + running,
         )
         return
+    # Per key: each moves by its own units, and a start sets each key's own running total.
     sign = 1 if reserved > 0 else -1
     for key in keys:
         KeyState.objects.filter(key=key).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
             running=models.F("running") + running,
+            **({"total": totals[key]} if totals else {}),
         )
 
 
