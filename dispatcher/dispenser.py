@@ -12,11 +12,11 @@ from datetime import datetime
 
 from django.db import close_old_connections, connection
 
-from dispatcher import limiter, liveness
+from dispatcher import limiter, liveness, sql
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.faults import maybe_fail
-from dispatcher.queries import Claimed
+from dispatcher.managers import Claimed
 
 log = logging.getLogger("dispatcher")
 
@@ -143,7 +143,7 @@ class Waiter:
             params.pop("cursor_factory", None)
             params.pop("context", None)
             self.conn = psycopg.connect(**params, autocommit=True)
-            self.conn.execute(f"LISTEN {limiter.WAKE_CHANNEL}")
+            self.conn.execute(sql.listen(limiter.WAKE_CHANNEL))
         return self.conn
 
     def wait(self, timeout: float, stop: threading.Event) -> None:

@@ -1,4 +1,5 @@
-"""Store new calls on PostgreSQL with hand-written INSERTs, skipping the ORM's per-row SQL compilation."""
+"""Store new calls on PostgreSQL with hand-written INSERTs (``sql.insert_call``, ``sql.insert_calls``),
+skipping the ORM's per-row SQL compilation."""
 from __future__ import annotations
 
 import functools
@@ -10,14 +11,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
+from dispatcher import sql
+
 if TYPE_CHECKING:
     from dispatcher.models import CallQueue
 
-# The columns the INSERTs write; the others are left NULL.
-_COLUMNS = (
-    "method, params, keys, key_set, priority, queue, max_attempts, run_at, status,"
-    " attempts, deferrals, dispatch_no, last_error, last_traceback, cost"
-)
 # The fields a new call starts with besides what send() sets: what the INSERTs write, or NULL.
 _START = {
     "attempts": 0, "deferrals": 0, "dispatch_no": 0, "dispatched_at": None, "started_at": None,
@@ -58,20 +56,14 @@ class NewCall(NamedTuple):
 
 def insert_one(model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, call: NewCall, status: str) -> CallQueue:
     """Insert one call in the connection's current transaction (or autocommit); return it saved."""
-    # COALESCE with the column's own default (Django's Now() is STATEMENT_TIMESTAMP()), which
-    # created_at also gets; it comes back as microseconds since the epoch, see insert_many().
-    sql = f"""
-        INSERT INTO {model._meta.db_table} ({_COLUMNS})
-        VALUES (%s, %s::jsonb, %s::jsonb, %s, %s, %s, %s, COALESCE(%s::timestamptz, STATEMENT_TIMESTAMP()), %s,
-                0, 0, 0, '', '', %s::jsonb)
-        RETURNING id, (EXTRACT(EPOCH FROM created_at) * 1000000)::bigint
-    """
-    params = [
-        call.method, call.params_json, _compact_json.encode(call.keys), call.key_set, call.priority, call.queue,
-        call.max_attempts, call.run_at, status, None if call.cost is None else _compact_json.encode(call.cost),
-    ]
+    # created_at comes back as microseconds since the epoch, see insert_many().
+    params = {
+        "method": call.method, "params": call.params_json, "keys": _compact_json.encode(call.keys),
+        "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "max_attempts": call.max_attempts,
+        "run_at": call.run_at, "status": status, "cost": None if call.cost is None else _compact_json.encode(call.cost),
+    }
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(sql.insert_call(), params)
         pk, created_us = cursor.fetchone()
     created_at = _from_epoch_us(connection, created_us)
     return _fresh_instance(model, db, call, status, pk, call.run_at or created_at, created_at)
@@ -84,18 +76,6 @@ def insert_many(
     # The calls travel as two JSON documents that the server unpacks, and created_at comes
     # back as microseconds since the epoch: arrays (escaped item by item) or timestamps
     # (loaded one by one through Django's time zone loader) cost more than the insert itself.
-    sql = f"""
-        INSERT INTO {model._meta.db_table} ({_COLUMNS})
-        SELECT c.method, c.params, c.keys, c.key_set, c.priority, c.queue, c.max_attempts,
-               COALESCE(c.run_at, STATEMENT_TIMESTAMP()), %s, 0, 0, 0, '', '', c.cost
-        FROM ROWS FROM (
-            json_to_recordset(%s::json) AS (method text, keys jsonb, key_set text, priority int, queue text,
-                                             max_attempts int, run_at timestamptz, cost jsonb),
-            jsonb_array_elements(%s::jsonb)
-        ) WITH ORDINALITY AS c(method, keys, key_set, priority, queue, max_attempts, run_at, cost, params, ord)
-        ORDER BY c.ord
-        RETURNING id, (EXTRACT(EPOCH FROM created_at) * 1000000)::bigint
-    """
     rows = _compact_json.encode([
         {
             "method": call.method, "keys": call.keys, "key_set": call.key_set, "priority": call.priority,
@@ -106,7 +86,7 @@ def insert_many(
     ])
     params_json = "[" + ",".join(call.params_json for call in calls) + "]"
     with connection.cursor() as cursor:
-        cursor.execute(sql, [status, rows, params_json])
+        cursor.execute(sql.insert_calls(), {"status": status, "rows": rows, "params": params_json})
         inserted = sorted(cursor.fetchall())
     # The rows enter the table in input order (ORDER BY c.ord) and each takes the next id as
     # it does, so the ids sorted are the calls' ids in input order; RETURNING promises no order.

@@ -18,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import connection, models
 from django.db.models import Q
 
+from dispatcher import sql
 from dispatcher.keys import is_pattern, pattern_matches
 from dispatcher.policies import Policy as PolicyShape
 from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy, validate
@@ -70,9 +71,9 @@ class Policies:
         if connection.vendor == "postgresql":
             # Runs at every start: the query is compiled once per process (it has no
             # arguments), and PostgreSQL's rows need no conversion.
-            sql, params = _policies_sql()
+            policies_sql, params = _policies_sql()
             with connection.cursor() as cursor:
-                cursor.execute(sql, params)
+                cursor.execute(policies_sql, params)
                 rows = cursor.fetchall()
         else:
             rows = list(_policies_query())
@@ -88,11 +89,9 @@ class Policies:
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
         # and the LEFT JOIN returns it even when no policy exists.
-        sql, params = _policies_sql()
+        policies_sql, params = _policies_sql()
         with connection.cursor() as cursor:
-            cursor.execute(
-                f"SELECT c.now, p.* FROM (SELECT clock_timestamp() AS now) c LEFT JOIN ({sql}) p ON TRUE", params
-            )
+            cursor.execute(sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         return cls._from_db_rows([row[1:] for row in rows if row[1] is not None]), rows[0][0]
 
@@ -241,15 +240,10 @@ def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
         return {s.key: s for s in KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
-    fields = KeyState._meta.concrete_fields
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT {columns} FROM {KeyState._meta.db_table} WHERE key = ANY(%s) ORDER BY key FOR UPDATE",
-            [ordered],
-        )
+        cursor.execute(sql.lock_key_states(), [ordered])
         rows = cursor.fetchall()
-    names = [f.attname for f in fields]
+    names = [f.attname for f in KeyState._meta.concrete_fields]
     return {row[0]: KeyState.from_db(connection.alias, names, row) for row in rows}
 
 
@@ -261,27 +255,22 @@ def read_policies(
     A window: the units in it, its key's running total less the running total before the
     window's first start (an index probe, whatever the window holds). A bucket: its timestamp.
     """
-    from dispatcher.models import KeyBucket, KeyStart
-
     if not governed:
         return {}
     # All probes in one row; hand-written because the ORM compiles many filtered subqueries
     # more slowly than the database runs them.
     adapt = connection.ops.adapt_datetimefield_value
-    columns, params = [], []
+    buckets, params = [], []
     for key, policies in governed.items():
         for policy in policies:
             if isinstance(policy, TokenBucket):
-                columns.append(f"(SELECT tat_us FROM {KeyBucket._meta.db_table} WHERE key = %s AND period = %s)")
+                buckets.append(True)
                 params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
             else:
-                columns.append(
-                    f"(SELECT cum - units FROM {KeyStart._meta.db_table} WHERE key = %s AND started_at >= %s"
-                    " ORDER BY started_at, cum LIMIT 1)"
-                )
+                buckets.append(False)
                 params += [key, adapt(now - policy.span)]
     with connection.cursor() as cursor:
-        cursor.execute("SELECT " + ", ".join(columns), params)
+        cursor.execute(sql.policy_readings(tuple(buckets)), params)
         row = iter(cursor.fetchone())
     readings: dict[str, list[Reading]] = {}
     for key, policies in governed.items():
@@ -460,24 +449,15 @@ def record_starts(at: datetime, record: StartRecord, call_id: int | None = None)
 
 def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None) -> None:
     """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one statement."""
-    from dispatcher.models import KeyState
-
     units = units or by_key
     by_key = {key: n for key, n in by_key.items() if n}
     if not by_key:
         return
-    table = KeyState._meta.db_table
-    cases = " ".join("WHEN %s THEN %s" for _ in by_key)
-    marks = ", ".join("%s" for _ in by_key)
     params = [value for pair in by_key.items() for value in pair]
     params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
     params += list(by_key)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table} SET reserved = reserved + CASE key {cases} END,"
-            f" reserved_units = reserved_units + CASE key {cases} END WHERE key IN ({marks})",
-            params,
-        )
+        cursor.execute(sql.adjust_reserved(len(by_key)), params)
 
 
 def adjust(
@@ -552,7 +532,7 @@ def wake_dispensers() -> None:
     """Wake long-running dispensers (on PostgreSQL, delivered when the transaction commits)."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [WAKE_CHANNEL])
+            cursor.execute(sql.NOTIFY, [WAKE_CHANNEL])
 
 
 class RateLimitManager(models.Manager):

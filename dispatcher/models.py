@@ -8,8 +8,8 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatcher.limiter import RateLimitManager
+from dispatcher.managers import CallQueueManager
 from dispatcher.policies import Policy, make_policy
-from dispatcher.queries import CallQueueManager
 from dispatcher.states import CallStatus
 from dispatcher.validation import StoredJSONDecoder
 

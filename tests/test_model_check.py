@@ -42,7 +42,7 @@ def clock(monkeypatch, settings) -> Clock:
     import dispatcher.clock
     import dispatcher.dispenser
     import dispatcher.limiter
-    import dispatcher.queries
+    import dispatcher.managers
 
     settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
     settings.DISPATCHER_RUN_TIMEOUT = "10s"
@@ -50,7 +50,7 @@ def clock(monkeypatch, settings) -> Clock:
     settings.DISPATCHER_RETRY_JITTER = 0
     settings.DISPATCHER_MAX_DEFERRALS = ""
     fake = Clock()
-    for module in (dispatcher.clock, dispatcher.queries, dispatcher.dispenser):
+    for module in (dispatcher.clock, dispatcher.managers, dispatcher.dispenser):
         monkeypatch.setattr(module, "db_now", fake)
     # A start reads the policies and the clock in one statement on PostgreSQL; keep its clock fake too.
     monkeypatch.setattr(

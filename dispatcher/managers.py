@@ -1,4 +1,5 @@
-"""Every change of a call's state: the one place that locks call rows or writes ``status``."""
+"""The call table's queryset and manager: every change of a call's state, the one place that
+locks call rows or writes ``status``; their hand-written statements are in ``dispatcher.sql``."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connection, connections, models, transaction
 from django.db.models import F, Q
 
-from dispatcher import limiter
+from dispatcher import limiter, sql
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
@@ -357,19 +358,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def waiting_key_sets(self, after: str | None = None, limit: int = 10_000) -> list[str]:
         """Return the distinct key sets of waiting calls, in order, one index probe each."""
-        table = self.model._meta.db_table
         # A loose index scan: each step asks the partial index for the next key set.
-        sql = f"""
-            WITH RECURSIVE ks(k) AS (
-                SELECT MIN(key_set) FROM {table} WHERE status = 'pending' AND key_set > %s
-                UNION ALL
-                SELECT (SELECT MIN(key_set) FROM {table} WHERE status = 'pending' AND key_set > ks.k)
-                FROM ks WHERE ks.k IS NOT NULL
-            )
-            SELECT k FROM ks WHERE k IS NOT NULL LIMIT %s
-        """
         with connection.cursor() as cursor:
-            cursor.execute(sql, [after if after is not None else "", limit])
+            cursor.execute(sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
             return [row[0] for row in cursor.fetchall()]
 
     def claim(self, key_set_text: str, limit: int, policies: limiter.Policies) -> ClaimResult:
@@ -503,24 +494,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Select and mark the due calls of every asking key set in one statement."""
-        table = self.model._meta.db_table
-        # One LATERAL scan of the waiting index per key set, each with its own LIMIT.
-        sql = f"""
-            UPDATE {table} SET status = %s, dispatched_at = %s, dispatch_no = dispatch_no + 1
-            WHERE id IN (
-                SELECT due.id FROM unnest(%s::text[], %s::int[]) AS ask(key_set, wanted)
-                CROSS JOIN LATERAL (
-                    SELECT id FROM {table}
-                    WHERE status = %s AND key_set = ask.key_set AND run_at <= %s
-                    ORDER BY priority DESC, id
-                    LIMIT ask.wanted
-                    FOR UPDATE SKIP LOCKED
-                ) AS due
-            )
-            RETURNING id, dispatch_no, queue, key_set, priority, cost
-        """
+        params = {
+            "dispatched": DISPATCHED, "pending": PENDING, "now": now,
+            "key_sets": list(asks), "wanted": list(asks.values()),
+        }
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql, [DISPATCHED, now, list(asks), list(asks.values()), PENDING, now])
+            cursor.execute(sql.claim_due(), params)
             return [
                 Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=_json_value(c))
                 for i, n, q, k, p, c in cursor.fetchall()
@@ -566,9 +545,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         with connections[self.db].cursor() as cursor:
             # Hand-written: read before any lock at every start, where the ORM's compilation
             # would cost more than the query.
-            cursor.execute(
-                f"SELECT key_set, status, dispatch_no, cost FROM {self.model._meta.db_table} WHERE id = %s", [call_id]
-            )
+            cursor.execute(sql.call_head(), [call_id])
             head = cursor.fetchone()
         if head is None:
             return Started("stale", reason="no such call")
@@ -650,40 +627,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record: limiter.StartRecord,
     ) -> tuple[CallQueue, Attempt] | None:
         """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
-        from dispatcher.models import Attempt, KeyBucket, KeyStart, KeyState
+        from dispatcher.models import Attempt
 
-        fields = self.model._meta.concrete_fields
-        columns = ", ".join(f"started.{connections[self.db].ops.quote_name(f.column)}" for f in fields)
-        sql = f"""
-            WITH started AS (
-                UPDATE {self.model._meta.db_table}
-                SET status = %(running)s, started_at = %(now)s, attempts = attempts + 1
-                WHERE id = %(id)s AND status = %(dispatched)s AND dispatch_no = %(dispatch_no)s
-                RETURNING *
-            ), attempt AS (
-                INSERT INTO {Attempt._meta.db_table} (call_id, number, started_at, outcome, error, worker)
-                SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
-                RETURNING id, number
-            ), start_log AS (
-                INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum, call_id)
-                SELECT log.key, %(now)s, log.units, log.cum, started.id
-                FROM started, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[])
-                    AS log(key, units, cum)
-            ), buckets AS (
-                INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us, since)
-                SELECT b.key, b.period, b.tat_us, %(now)s
-                FROM started, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
-                    AS b(key, period, tat_us)
-                ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
-            ), counters AS (
-                UPDATE {KeyState._meta.db_table} AS state
-                SET reserved = reserved - 1, reserved_units = reserved_units - log.units,
-                    running = running + 1, total = log.cum
-                FROM unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[]) AS log(key, units, cum)
-                WHERE state.key = log.key AND EXISTS (SELECT 1 FROM started)
-            )
-            SELECT attempt.id, attempt.number, {columns} FROM started, attempt
-        """
         params = {
             "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
@@ -693,7 +638,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "b_tats": [t for _, _, t in record.buckets],
         }
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql.mark_running(), params)
             row = cursor.fetchone()
         if row is None:
             return None
@@ -748,40 +693,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         changes: dict[str, Any], wake: bool,
     ) -> bool:
         """Record the finish in one statement: the guarded update, the attempt, the counters, the wake-up."""
-        from dispatcher.models import Attempt, KeyState
-
         db = connections[self.db]
-        sets, values = [], []
-        for name, value in changes.items():
-            field = self.model._meta.get_field(name)
-            sets.append(f"{db.ops.quote_name(field.column)} = %s")
-            values.append(field.get_db_prep_save(value, db))
-        # The key rows are locked in key order, as every other locker of several keys does;
-        # the counters' UPDATE only touches rows that "locked" already holds.
-        sql = f"""
-            WITH locked AS (
-                SELECT key FROM {KeyState._meta.db_table} WHERE key = ANY(%s::text[]) ORDER BY key FOR UPDATE
-            ), finished AS (
-                UPDATE {self.model._meta.db_table} SET {", ".join(sets)}
-                WHERE id = %s AND status = %s AND dispatch_no = %s
-                RETURNING id
-            ), attempt AS (
-                UPDATE {Attempt._meta.db_table} SET finished_at = %s, outcome = %s, error = %s
-                WHERE id = %s AND EXISTS (SELECT 1 FROM finished)
-            ), counters AS (
-                UPDATE {KeyState._meta.db_table} SET running = running - 1
-                WHERE key IN (SELECT key FROM locked) AND EXISTS (SELECT 1 FROM finished)
-            ), wake AS (
-                SELECT pg_notify(%s, '') FROM finished WHERE %s
-            )
-            SELECT (SELECT COUNT(*) FROM finished), (SELECT COUNT(*) FROM wake)
-        """
+        values = [self.model._meta.get_field(name).get_db_prep_save(value, db) for name, value in changes.items()]
         params = [
             keys, *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
             limiter.WAKE_CHANNEL, wake,
         ]
         with db.cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql.finish(tuple(changes)), params)
             return bool(cursor.fetchone()[0])
 
     def finish_done(self, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True) -> bool:
