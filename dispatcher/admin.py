@@ -13,6 +13,7 @@ from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.db.models import Min, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
@@ -20,11 +21,13 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
+from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration, parse_positive_duration
-from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
+from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration, parse_positive_duration
+from dispatcher.keys import is_pattern, parse_key_set, pattern_matches, validate_policy_key
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
+from dispatcher.policies import PolicyError, validate
 from dispatcher.redact import redact, redact_text
 
 MAX_ID = 2**63 - 1
@@ -140,8 +143,6 @@ class RefuseUnstorableMixin:
 
 def known_keys(term: str, limit: int = 20) -> list[str]:
     """Return up to ``limit`` keys containing ``term``: keys with a policy, limiter state or waiting calls."""
-    from dispatcher.keys import parse_key_set
-
     found = set(KeyState.objects.filter(key__icontains=term).exclude(key__endswith="*").values_list("key", flat=True)[:limit])
     found.update(k for k in RateLimit.objects.filter(key__icontains=term).values_list("key", flat=True) if not is_pattern(k))
     if len(found) < limit:
@@ -304,8 +305,8 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         if not call.created_at:
             return "-"
         if call.finished_at:
-            return f"{live.humanize_duration(call.finished_at - call.created_at)} (finished)"
-        return live.humanize_duration(self._now() - call.created_at)
+            return f"{humanize_duration(call.finished_at - call.created_at)} (finished)"
+        return humanize_duration(self._now() - call.created_at)
 
     @admin.display(description="next try", ordering="run_at")
     def next_try(self, call: CallQueue) -> str:
@@ -327,7 +328,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
                 moment, held = status.next_free_at, f" (limit of {key})"
         if moment <= now:
             return "due now"
-        return f"{live.format_moment(moment, now)}{held}"
+        return f"{format_moment(moment, now)}{held}"
 
     @admin.display(description="error")
     def error(self, call: CallQueue) -> str:
@@ -347,12 +348,12 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         if explanation.until is None:
             until = "until a call in flight finishes"
         else:
-            until = f"until {live.format_moment(explanation.until, explanation.now)}"
+            until = f"until {format_moment(explanation.until, explanation.now)}"
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
         return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
 
     def _moment(self, call: CallQueue, value: Any) -> str:
-        return live.format_moment(value, self._now()) if value else "-"
+        return format_moment(value, self._now()) if value else "-"
 
     @admin.display(description="run at")
     def run_at_shown(self, call: CallQueue) -> str:
@@ -450,7 +451,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         if not held:
             return ""
         call, first = held[0]
-        when = "when a call in flight finishes" if first.until is None else f"at {live.format_moment(first.until, first.now)}"
+        when = "when a call in flight finishes" if first.until is None else f"at {format_moment(first.until, first.now)}"
         text = f"Call #{call.id} still waits: {first.reasons[0].text}; it will start {when}."
         if len(held) > 1:
             text += f" {len(held) - 1} more of the calls wait for their keys' limits too."
@@ -510,8 +511,6 @@ class RateLimitForm(forms.ModelForm):
         fields = ["key", "limit", "period", "burst", "concurrency"]
 
     def clean(self) -> dict[str, Any]:
-        from dispatcher.policies import PolicyError, validate
-
         data = super().clean()
         if data.get("limit") is not None and data.get("period") is not None:
             try:
@@ -581,8 +580,6 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
         # Kept per thread: the admin instance is shared by every request.
-        from dispatcher import liveness
-
         _page.statuses = {s.key: s for s in live.key_statuses()}
         _page.policies = {}
         for policy in RateLimit.objects.order_by("key", "period"):
@@ -608,8 +605,6 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         return actions
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
-        from django.db import transaction
-
         with transaction.atomic():
             if change:
                 # A new key or period is a new policy: set_policy upserts by (key, period).
@@ -661,7 +656,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     @admin.display(description="oldest wait")
     def oldest_wait(self, policy: RateLimit) -> str:
         waits = [s.oldest_wait for s in self._statuses(policy) if s.oldest_wait is not None]
-        return live.humanize_duration(max(waits)) if waits else "-"
+        return humanize_duration(max(waits)) if waits else "-"
 
     @admin.display(description="paused until (by whom)")
     def paused_until(self, policy: RateLimit) -> str:
@@ -677,7 +672,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
             until, reason, now = latest.paused_until, latest.pause_reason, latest.now
         source = live.pause_source(reason)
         detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
-        return f"{live.format_moment(until, now)}, by {source}{detail}"
+        return f"{format_moment(until, now)}, by {source}{detail}"
 
     @admin.display(description="next free slot")
     def next_free_slot(self, policy: RateLimit) -> str:
@@ -688,7 +683,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         if any(s.next_free_at is None for s in blocked):
             return "when a call in flight finishes"
         latest = max(blocked, key=lambda s: s.next_free_at)
-        return live.humanize(latest.next_free_at, latest.now)
+        return humanize(latest.next_free_at, latest.now)
 
     def _duration(self, request: HttpRequest) -> timedelta | None:
         try:
@@ -709,7 +704,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         self.message_user(
             request,
             ngettext("%(n)d key paused until %(until)s.", "%(n)d keys paused until %(until)s.", len(keys))
-            % {"n": len(keys), "until": live.format_moment(until, db_now())},
+            % {"n": len(keys), "until": format_moment(until, db_now())},
         )
 
     @admin.action(description="Resume the selected keys", permissions=["change"])

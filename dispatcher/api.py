@@ -28,7 +28,9 @@ from django.views.decorators.http import require_GET, require_POST
 from dispatcher.auth import bearer_token_ok
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall
+from dispatcher.models import CallQueue
 from dispatcher.redact import redact, redact_text
+from dispatcher.status import explain_call
 from dispatcher.validation import MAX_JSON_DEPTH, json_text_depth
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -72,8 +74,6 @@ def _parse_run_at(value: Any) -> Any:
 
 def call_data(call: Any) -> dict[str, Any]:
     """Return what the API shows of a call."""
-    from dispatcher.status import explain_call
-
     data: dict[str, Any] = {
         "id": call.id,
         "method": call.method,
@@ -102,8 +102,6 @@ def call_data(call: Any) -> dict[str, Any]:
 @require_POST
 def enqueue(request: HttpRequest) -> JsonResponse:
     """Store one call from a JSON body of send()'s arguments; answer 201 with its id."""
-    from dispatcher.models import CallQueue
-
     denied = _authorise(request, "dispatcher.add_callqueue")
     if denied is not None:
         return denied
@@ -138,8 +136,6 @@ def enqueue(request: HttpRequest) -> JsonResponse:
 @require_GET
 def call_status(request: HttpRequest, call_id: int) -> JsonResponse:
     """Return a call's status, attempts and result, and for a waiting call why it waits."""
-    from dispatcher.models import CallQueue
-
     denied = _authorise(request, "dispatcher.view_callqueue")
     if denied is not None:
         return denied

@@ -27,6 +27,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from dispatcher import tables
 from dispatcher.exceptions import InvalidParams, PermanentError
 from dispatcher.keys import resolve_keys
 
@@ -131,8 +132,6 @@ class DispatcherBackend(BaseTaskBackend):
 
     def enqueue(self, task: Task, args: Any, kwargs: Any) -> TaskResult:
         """Store the task as a call in the caller's transaction; return its READY result."""
-        from dispatcher.models import CallQueue
-
         self.validate_task(task)
         args, kwargs = _json_arguments(task, args, kwargs)
         # Bound even without key templates: arguments that do not fit the task are refused now.
@@ -148,7 +147,7 @@ class DispatcherBackend(BaseTaskBackend):
             run_at = timezone.make_aware(run_at)
         token = _enqueuing.set(True)
         try:
-            call = CallQueue.objects.send(
+            call = tables.CallQueue.objects.send(
                 TASK_METHOD, params, keys=keys, priority=task.priority, run_at=run_at,
                 max_attempts=self.max_attempts, queue=None if task.queue_name == DEFAULT_TASK_QUEUE_NAME else task.queue_name,
             )
@@ -161,11 +160,9 @@ class DispatcherBackend(BaseTaskBackend):
 
     def get_result(self, result_id: str) -> TaskResult:
         """Return the task's result as its call stands now; raise TaskResultDoesNotExist if none."""
-        from dispatcher.models import CallQueue
-
         try:
-            call = CallQueue.objects.get(pk=int(result_id), method=TASK_METHOD)
-        except (TypeError, ValueError, CallQueue.DoesNotExist):
+            call = tables.CallQueue.objects.get(pk=int(result_id), method=TASK_METHOD)
+        except (TypeError, ValueError, tables.CallQueue.DoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
         try:
             task = import_string(call.params["task"])

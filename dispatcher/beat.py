@@ -4,6 +4,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from celery.signals import beat_init
+
+from dispatcher.conf import dispatcher_settings as ds
+from dispatcher.models import RateLimit
+
 log = logging.getLogger("dispatcher")
 
 DISPENSE, RESCUE, PRUNE = "dispatcher.dispense", "dispatcher.rescue", "dispatcher.prune"
@@ -12,8 +17,6 @@ DISPENSE, RESCUE, PRUNE = "dispatcher.dispense", "dispatcher.rescue", "dispatche
 def sync_schedules() -> list[str]:
     """Upsert the periodic tasks by name from DISPATCHER_* settings; return their names."""
     from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
-
-    from dispatcher.conf import dispatcher_settings as ds
 
     def every(seconds: float) -> IntervalSchedule:
         schedule, _ = IntervalSchedule.objects.get_or_create(
@@ -40,15 +43,11 @@ def sync_schedules() -> list[str]:
 
 def on_post_migrate(sender: Any = None, **kwargs: Any) -> None:
     """Seed policies and schedules once the tables exist."""
-    from dispatcher.models import RateLimit
-
     RateLimit.objects.seed_from_settings()
     sync_schedules()
 
 
 def connect_beat_signals() -> None:
-    from celery.signals import beat_init
-
     def on_beat_init(sender: Any = None, **kwargs: Any) -> None:
         names = sync_schedules()
         log.info("beat_schedules_synced names=%s", ",".join(names))

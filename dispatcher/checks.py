@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.checks import Error, Warning, register
+
+from dispatcher.conf import Setting, dispatcher_settings
+from dispatcher.handlers import host_rules, secret_grants
 
 
 @register()
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     """Report DISPATCHER_* settings that cannot be parsed."""
-    from dispatcher.conf import Setting, dispatcher_settings
-
     errors = []
     for name, value in vars(type(dispatcher_settings)).items():
         if isinstance(value, Setting):
@@ -29,9 +31,6 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
 
 def _http_errors() -> list[Error]:
     """Report allow-list and secret entries the http handler cannot read."""
-    from dispatcher.conf import dispatcher_settings
-    from dispatcher.handlers import host_rules, secret_grants
-
     errors = []
     for name, read in (("HTTP_ALLOWED_HOSTS", lambda: host_rules(dispatcher_settings.HTTP_ALLOWED_HOSTS)),
                        ("HTTP_SECRETS", secret_grants)):
@@ -45,8 +44,6 @@ def _http_errors() -> list[Error]:
 @register()
 def check_worker_connections(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
     """Warn when Celery would open a new database connection for every call a worker runs."""
-    from django.conf import settings
-
     if getattr(settings, "CELERY_DB_REUSE_MAX", None):
         return []
     return [

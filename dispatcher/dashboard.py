@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncMinute
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.template.response import TemplateResponse
@@ -26,7 +26,9 @@ from django.utils.safestring import SafeString
 from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
+from dispatcher.durations import format_moment, humanize_duration
 from dispatcher.keys import parse_key_set
+from dispatcher.models import Attempt, KeyStart
 
 PER_PAGE = 20
 MINUTES = 60
@@ -131,10 +133,6 @@ def policy_panels(status: live.KeyStatus, units: dict[datetime, int] | None = No
 
 def window_units(statuses: list[live.KeyStatus], now: datetime) -> dict[str, dict[datetime, int]]:
     """Return units started per key and minute, as far back as each key's longest window before the hour."""
-    from django.db.models import Sum
-
-    from dispatcher.models import KeyStart
-
     reach: dict[str, timedelta] = {}
     for status in statuses:
         longest = [u.period for u in status.policies if not on_bar_chart(u) and u.period <= LONGEST_SERIES]
@@ -171,8 +169,6 @@ def _svg_bars(bars: list[dict[str, Any]]) -> SafeString:
 
 def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datetime, int, dict[str, int]]]]:
     """Return per key the last hour per minute: starts counted by the limiter and attempts by outcome."""
-    from dispatcher.models import Attempt, KeyStart
-
     end = now.replace(second=0, microsecond=0)
     start = end - timedelta(minutes=MINUTES - 1)
     starts: dict[tuple[str, datetime], int] = {}
@@ -206,8 +202,6 @@ def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datet
 
 def starts_last_hour(now: datetime) -> dict[str, int]:
     """Return starts in the last hour per key: how busy each key is."""
-    from dispatcher.models import KeyStart
-
     rows = KeyStart.objects.filter(started_at__gte=now - timedelta(hours=1)).values("key").annotate(n=Count("id")).order_by()
     return {row["key"]: row["n"] for row in rows}
 
@@ -253,10 +247,10 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             "chart": chart(status, series[status.key]),
             "panels": policy_panels(status, units.get(status.key, {})),
             "policies": ", ".join(p.label() for p in status.policies) or "no limit",
-            "oldest_wait": live.humanize_duration(status.oldest_wait),
-            "drain": live.humanize_duration(status.drain_time) if status.waiting else "-",
-            "next_free": live.format_moment(status.next_free_at, status.now) if status.blocked else free_now,
-            "paused": live.format_moment(status.paused_until, status.now) if status.paused_until else "",
+            "oldest_wait": humanize_duration(status.oldest_wait),
+            "drain": humanize_duration(status.drain_time) if status.waiting else "-",
+            "next_free": format_moment(status.next_free_at, status.now) if status.blocked else free_now,
+            "paused": format_moment(status.paused_until, status.now) if status.paused_until else "",
         })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}
     if refresh != DEFAULT_REFRESH:
@@ -265,6 +259,6 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
         **admin.site.each_context(request), "title": "Dispatcher dashboard", "rows": rows, "page": page,
         "query": query, "only": only, "refresh": refresh, "keep": urlencode(keep),
         "total_keys": len(statuses), "matching": len(shown), "blocked": sum(1 for s in statuses if s.blocked),
-        "segments": SEGMENTS, "now": live.format_moment(now, now),
+        "segments": SEGMENTS, "now": format_moment(now, now),
     }
     return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from celery import current_app
 from django.db import close_old_connections, connection
 
 from dispatcher import limiter, liveness, sql
@@ -17,6 +18,10 @@ from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.faults import maybe_fail
 from dispatcher.managers import Claimed
+from dispatcher.models import CallQueue
+
+# The Celery tasks that run claimed calls (dispatcher.tasks): one call, or several of one queue.
+RUN_CALL, RUN_CALLS = "dispatcher.run_call", "dispatcher.run_calls"
 
 log = logging.getLogger("dispatcher")
 
@@ -43,8 +48,6 @@ class Dispenser:
 
     def run_once(self) -> PassReport:
         """Claim and publish one batch; return what moved."""
-        from dispatcher.models import CallQueue
-
         report = PassReport()
         policies = limiter.Policies.load()
         key_sets = CallQueue.objects.waiting_key_sets()
@@ -82,8 +85,6 @@ class Dispenser:
 
     def _publish(self, calls: list[Claimed], report: PassReport) -> None:
         """Publish claimed calls; put back at once whatever the broker did not take."""
-        from dispatcher.models import CallQueue
-
         published = 0
         try:
             publish_run_calls(calls)
@@ -198,8 +199,6 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> N
     did reach the broker is stale (put back and the next claim change what it expects) and does
     nothing. Celery's task_publish signals are not sent for these messages.
     """
-    from dispatcher.tasks import run_call, run_calls
-
     if not calls:
         return
     per_message = max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE)
@@ -211,25 +210,26 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> N
         for start in range(0, len(group), per_message):
             chunk = group[start : start + per_message]
             if len(chunk) == 1:
-                messages.append((queue_name, run_call, [chunk[0].id, chunk[0].dispatch_no]))
+                messages.append((queue_name, RUN_CALL, [chunk[0].id, chunk[0].dispatch_no]))
             else:
-                messages.append((queue_name, run_calls, [[[c.id, c.dispatch_no] for c in chunk]]))
-    app = run_call.app
+                messages.append((queue_name, RUN_CALLS, [[[c.id, c.dispatch_no] for c in chunk]]))
+    # The tasks are named, not imported: dispatcher.tasks imports this module.
+    app = current_app
     amqp = app.amqp
     templates = {}
     routes: dict[tuple[str, str], tuple[str, int]] = {}
     with app.producer_or_acquire() as producer, producer.batch(max_size=len(messages)):
-        for queue_name, task, args in messages:
-            template = templates.get(task.name)
+        for queue_name, task_name, args in messages:
+            template = templates.get(task_name)
             if template is None:
-                template = templates[task.name] = amqp.as_task_v2("0", task.name, args, {}, ignore_result=True)
-            route = routes.get((queue_name, task.name))
+                template = templates[task_name] = amqp.as_task_v2("0", task_name, args, {}, ignore_result=True)
+            route = routes.get((queue_name, task_name))
             if route is None:
-                options = amqp.router.route({"queue": queue_name} if queue_name else {}, task.name, args, {})
+                options = amqp.router.route({"queue": queue_name} if queue_name else {}, task_name, args, {})
                 queue = options["queue"]
                 producer.maybe_declare(queue)
                 mode = getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode
-                route = routes[(queue_name, task.name)] = (queue.name, mode)
+                route = routes[(queue_name, task_name)] = (queue.name, mode)
             task_id = str(uuid.uuid4())
             headers = {**template.headers, "id": task_id, "root_id": task_id, "argsrepr": repr(tuple(args))}
             producer.publish(

@@ -1,8 +1,8 @@
-"""Parse and format durations such as ``500ms``, ``2s``, ``5m``, ``1h``, ``1d``."""
+"""Durations and moments as text: parse and format ``500ms``, ``2s``, ``5m``, ``1h``, ``1d``; write them for people."""
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from dispatcher.validation import MAX_DURATION
 
@@ -80,3 +80,43 @@ def _shown(text: object) -> str:
     """Quote a refused input for a message, cut short (it may be megabytes long)."""
     shown = repr(text)
     return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def humanize(moment: datetime | None, now: datetime) -> str:
+    """Write a moment relative to now: "in 3 min", "12 s ago", "now"."""
+    if moment is None:
+        return "-"
+    seconds = (moment - now).total_seconds()
+    text = _span(abs(seconds))
+    if text == "now":
+        return text
+    return f"in {text}" if seconds > 0 else f"{text} ago"
+
+
+def format_moment(moment: datetime | None, now: datetime) -> str:
+    """Write a moment the one way every screen does: "2026-11-21 15:02:11 UTC (in 3 min)"."""
+    if moment is None:
+        return "-"
+    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC ({humanize(moment, now)})"
+
+
+def humanize_duration(value: timedelta | None) -> str:
+    """Write a duration for people: "3 min", "1 h 5 min", "-"."""
+    if value is None:
+        return "-"
+    text = _span(value.total_seconds())
+    return "0 s" if text == "now" else text
+
+
+def _span(seconds: float) -> str:
+    if seconds < 0.5:
+        return "now"
+    if round(seconds) < 60:
+        return f"{round(seconds)} s"
+    if round(seconds / 60) < 60:
+        return f"{round(seconds / 60)} min"
+    if round(seconds / 3600) < 24:
+        hours, rest = divmod(round(seconds / 60), 60)
+        return f"{hours} h {rest} min" if rest else f"{hours} h"
+    days, rest = divmod(round(seconds / 3600), 24)
+    return f"{days} d {rest} h" if rest else f"{days} d"

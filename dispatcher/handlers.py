@@ -15,6 +15,7 @@ from django.conf import settings as django_settings
 from django.http.request import validate_host
 
 from dispatcher import PermanentError, RateLimited, handler, httpclient, learning, ratelimit_headers
+from dispatcher.backends import check_task_params, run_task
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
 from dispatcher.httpclient import get_client, read_body
@@ -328,14 +329,10 @@ def http(**params: Any) -> dict[str, Any]:
 
 
 def _validate_task(params: dict[str, Any]) -> None:
-    from dispatcher.backends import check_task_params
-
     check_task_params(params)
 
 
 @handler("task", validator=_validate_task)
 def task(**params: Any) -> Any:
     """Run a Django Tasks task stored by dispatcher.backends.DispatcherBackend."""
-    from dispatcher.backends import run_task
-
     return run_task(**params)

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import timedelta
 
+from django.db import transaction
+
+from dispatcher import limiter, tables
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
 from dispatcher.ratelimit_headers import Signal, signal
 
 log = logging.getLogger("dispatcher")
@@ -45,8 +51,6 @@ def running_call(keys: Sequence[str]) -> Iterator[None]:
 
 def cap_pause(seconds: float | None) -> float | None:
     """Return a pause cut to DISPATCHER_MAX_PAUSE (``None`` stays ``None``)."""
-    from dispatcher.conf import dispatcher_settings
-
     if seconds is None or seconds != seconds:
         return None
     return min(max(seconds, 0.0), dispatcher_settings.MAX_PAUSE.total_seconds())
@@ -64,15 +68,6 @@ def apply(found: Signal, keys: Sequence[str] | None = None) -> None:
 
 
 def _apply(found: Signal, keys: tuple[str, ...]) -> None:
-    import time
-
-    from django.db import transaction
-
-    from dispatcher import limiter
-    from dispatcher.clock import db_now
-    from dispatcher.conf import dispatcher_settings
-    from dispatcher.models import LearntLimit
-
     # The window log keeps at least an hour of starts (limiter.prune_starts): no learnt window
     # may be longer, or it would count fewer starts than it should.
     longest = min(dispatcher_settings.MAX_PAUSE, timedelta(hours=1))
@@ -102,10 +97,10 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
             limiter.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
         if windows:
-            LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
+            tables.LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
         for limit, period in windows:
             for key in keys:
-                _learn(LearntLimit, key, limit, period, expires, found, now)
+                _learn(tables.LearntLimit, key, limit, period, expires, found, now)
         limiter.wake_dispensers()
     if len(_stored) > MAX_REMEMBERED:
         _stored.clear()
@@ -119,10 +114,8 @@ def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
     """Return the keys whose other running calls already use up what the API says remains."""
     if not found.remaining or not found.reset or found.wait() is not None:
         return []
-    from dispatcher.models import KeyState
-
     # The call being answered is one of the running ones, and the API counted it already.
-    running = KeyState.objects.filter(key__in=keys).values_list("key", "running")
+    running = tables.KeyState.objects.filter(key__in=keys).values_list("key", "running")
     return [key for key, n in running if n - 1 >= found.remaining]
 
 

@@ -15,13 +15,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from django.db import connection, models
+from django.db import connection, models, transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 
-from dispatcher import sql
+from dispatcher import sql, tables
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, pattern_matches
 from dispatcher.policies import Policy as PolicyShape
-from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy, validate
+from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy
 
 UNLIMITED = 10**9
 # Marks learnt limits among the policy rows (no real policy has a negative concurrency).
@@ -83,8 +86,6 @@ class Policies:
     def load_with_clock(cls) -> tuple[Policies, datetime]:
         """Read the policies and the database's clock (``db_now``) in one round trip."""
         if connection.vendor != "postgresql":
-            from dispatcher.clock import db_now
-
             return cls.load(), db_now()
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
@@ -97,8 +98,6 @@ class Policies:
 
     @classmethod
     def _from_db_rows(cls, rows: Iterable[tuple]) -> Policies:
-        from dispatcher.conf import dispatcher_settings
-
         guard = dispatcher_settings.ARRIVAL_GUARD
         policies: list[PolicyShape] = []
         pattern_pauses: dict[str, datetime] = {}
@@ -154,20 +153,16 @@ class Policies:
 def _policies_query() -> models.QuerySet:
     """The policies, then the pattern pauses with the policy columns empty, then the unexpired
     learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
-    from django.db.models.functions import Now
-
-    from dispatcher.models import KeyState, LearntLimit, RateLimit
-
-    policies = RateLimit.objects.order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
+    policies = tables.RateLimit.objects.order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
         "key", "limit", "period", "burst", "concurrency", "until"
     )
-    pauses = KeyState.objects.order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
+    pauses = tables.KeyState.objects.order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
         no_limit=models.Value(None, models.IntegerField()),
         no_period=models.Value(None, models.DurationField()),
         no_burst=models.Value(None, models.IntegerField()),
         no_concurrency=models.Value(None, models.IntegerField()),
     ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
-    learnt = LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
+    learnt = tables.LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
         no_burst=models.Value(None, models.IntegerField()),
         marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
     ).values_list("key", "limit", "period", "no_burst", "marker", "no_until")
@@ -219,32 +214,28 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
 
 def lock_keys(keys: Sequence[str]) -> dict[str, models.Model]:
     """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
-    from dispatcher.models import KeyState
-
     if not keys:
         return {}
     ordered = sorted(set(keys))
     states = _select_for_update(ordered)
     if len(states) < len(ordered):
-        KeyState.objects.bulk_create(
-            [KeyState(key=k) for k in ordered if k not in states], ignore_conflicts=True
+        tables.KeyState.objects.bulk_create(
+            [tables.KeyState(key=k) for k in ordered if k not in states], ignore_conflicts=True
         )
         states = _select_for_update(ordered)
     return states
 
 
 def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
-    from dispatcher.models import KeyState
-
     if connection.vendor != "postgresql":
-        return {s.key: s for s in KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
+        return {s.key: s for s in tables.KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
     with connection.cursor() as cursor:
         cursor.execute(sql.lock_key_states(), [ordered])
         rows = cursor.fetchall()
-    names = [f.attname for f in KeyState._meta.concrete_fields]
-    return {row[0]: KeyState.from_db(connection.alias, names, row) for row in rows}
+    names = [f.attname for f in tables.KeyState._meta.concrete_fields]
+    return {row[0]: tables.KeyState.from_db(connection.alias, names, row) for row in rows}
 
 
 def read_policies(
@@ -288,10 +279,8 @@ def _reading(key: str, policy: PolicyShape, value: int | None, total: int) -> Re
 
 def _unit_leaves_at(key: str, base: int, n: int) -> datetime | None:
     """Return the start time of the start that holds the n-th unit after ``base``: one index probe."""
-    from dispatcher.models import KeyStart
-
     return (
-        KeyStart.objects.filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
+        tables.KeyStart.objects.filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
     )
 
 
@@ -435,14 +424,12 @@ def start_record(
 
 def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:
     """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
-    from dispatcher.models import KeyBucket, KeyStart
-
-    KeyStart.objects.bulk_create(
-        [KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
+    tables.KeyStart.objects.bulk_create(
+        [tables.KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
     )
     if record.buckets:
-        KeyBucket.objects.bulk_create(
-            [KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
+        tables.KeyBucket.objects.bulk_create(
+            [tables.KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
             update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
         )
 
@@ -472,15 +459,13 @@ def adjust(
 
     ``totals`` sets the keys' running totals of units started (a start's new totals).
     """
-    from dispatcher.models import KeyState
-
     if not keys or (reserved == 0 and running == 0):
         return
     if reserved == 0 and not totals:
-        KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
+        tables.KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
         return
     if units is None and not totals:
-        KeyState.objects.filter(key__in=list(keys)).update(
+        tables.KeyState.objects.filter(key__in=list(keys)).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + reserved,
             running=models.F("running") + running,
@@ -489,7 +474,7 @@ def adjust(
     # Per key: each moves by its own units, and a start sets each key's own running total.
     sign = 1 if reserved > 0 else -1
     for key in keys:
-        KeyState.objects.filter(key=key).update(
+        tables.KeyState.objects.filter(key=key).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
             running=models.F("running") + running,
@@ -499,33 +484,25 @@ def adjust(
 
 def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:
     """Pause keys until the given time, never shortening a longer pause already set."""
-    from dispatcher.models import KeyState
-
     for key in keys:
-        KeyState.objects.bulk_create([KeyState(key=key)], ignore_conflicts=True)
-        KeyState.objects.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
+        tables.KeyState.objects.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
+        tables.KeyState.objects.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
             paused_until=until, pause_reason=reason[:200]
         )
 
 
 def prune_starts(batch: int = 5000) -> int:
     """Delete window-log rows older than the longest policy period (at least an hour)."""
-    from django.db import transaction
-
-    from dispatcher.clock import db_now
-    from dispatcher.conf import dispatcher_settings
-    from dispatcher.models import KeyStart, RateLimit
-
     # Kept as long as the longest window counts (its period and the arrival guard).
-    longest = max([timedelta(hours=1), *RateLimit.objects.values_list("period", flat=True)])
+    longest = max([timedelta(hours=1), *tables.RateLimit.objects.values_list("period", flat=True)])
     cutoff = db_now() - longest - dispatcher_settings.ARRIVAL_GUARD
     deleted = 0
     while True:
         with transaction.atomic():
-            ids = list(KeyStart.objects.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
+            ids = list(tables.KeyStart.objects.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
             if not ids:
                 return deleted
-            deleted += KeyStart.objects.filter(id__in=ids)._raw_delete(KeyStart.objects.db)
+            deleted += tables.KeyStart.objects.filter(id__in=ids)._raw_delete(tables.KeyStart.objects.db)
 
 
 def wake_dispensers() -> None:
@@ -533,102 +510,3 @@ def wake_dispensers() -> None:
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(sql.NOTIFY, [WAKE_CHANNEL])
-
-
-class RateLimitManager(models.Manager):
-    """Edits of rate policies and pauses, shared by the command, the admin and settings."""
-
-    def set_policy(
-        self,
-        key: str,
-        limit: int,
-        period: timedelta,
-        concurrency: int | None = None,
-        *,
-        burst: int | None = None,
-    ):
-        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
-        from django.db import transaction
-
-        from dispatcher.clock import db_now
-        from dispatcher.keys import validate_policy_key
-
-        validate_policy_key(key)
-        validate(limit, period, burst, concurrency)
-        with transaction.atomic():
-            if not is_pattern(key):
-                # Serialise with starts of the key, which read the policies under this lock.
-                lock_keys([key])
-            old = self.filter(key=key, period=period).first()
-            policy, _ = self.update_or_create(
-                key=key, period=period, defaults={"limit": limit, "concurrency": concurrency, "burst": burst}
-            )
-            self._carry_buckets(old, policy, db_now())
-            wake_dispensers()
-        return policy
-
-    def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
-        """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
-        from dispatcher.conf import dispatcher_settings
-        from dispatcher.models import KeyBucket
-
-        buckets = KeyBucket.objects.filter(period=new.period)
-        if is_pattern(new.key):
-            buckets = buckets.filter(key__startswith=new.key[:-1])
-        else:
-            buckets = buckets.filter(key=new.key)
-        guard = dispatcher_settings.ARRIVAL_GUARD
-        before = old.as_policy().with_guard(guard) if old is not None else None
-        after = new.as_policy().with_guard(guard)
-        if not (isinstance(before, TokenBucket) and isinstance(after, TokenBucket)):
-            buckets.delete()
-            return
-        for bucket in buckets.filter(tat_us__gt=to_us(now)):
-            tat = before.rebase(from_us(bucket.tat_us), now, after)
-            KeyBucket.objects.filter(id=bucket.id).update(tat_us=to_us(tat))
-
-    def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
-        """Pause a key (or every key a pattern matches) for a duration from now."""
-        from django.db import transaction
-
-        from dispatcher.clock import db_now
-        from dispatcher.keys import validate_policy_key
-
-        validate_policy_key(key)
-        if duration <= timedelta(0):
-            raise ValueError("a pause must last longer than zero")
-        with transaction.atomic():
-            until = db_now() + duration
-            pause([key], until, reason)
-        return until
-
-    def resume_key(self, key: str) -> int:
-        """Lift the pause of a key (or pattern); return how many pauses were lifted."""
-        from dispatcher.models import KeyState
-
-        with_pause = KeyState.objects.filter(key=key, paused_until__isnull=False)
-        lifted = with_pause.update(paused_until=None, pause_reason="")
-        wake_dispensers()
-        return lifted
-
-    def seed_from_settings(self) -> int:
-        """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
-        from django.core.exceptions import ImproperlyConfigured
-
-        from dispatcher.conf import dispatcher_settings
-        from dispatcher.durations import parse_positive_duration
-
-        count = 0
-        for entry in dispatcher_settings.RATE_LIMITS:
-            try:
-                self.set_policy(
-                    entry["key"],
-                    int(entry["limit"]),
-                    parse_positive_duration(entry["period"]),
-                    int(entry["concurrency"]) if entry.get("concurrency") else None,
-                    burst=int(entry["burst"]) if entry.get("burst") is not None else None,
-                )
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ImproperlyConfigured(f"DISPATCHER_RATE_LIMITS entry {entry!r}: {exc}") from exc
-            count += 1
-        return count

@@ -16,16 +16,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from celery.signals import worker_ready, worker_shutdown
 from django.db import DatabaseError, IntegrityError, connection
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-
-if TYPE_CHECKING:
-    from dispatcher.models import CallQueue, Heartbeat
+from dispatcher.durations import format_moment, humanize, humanize_duration
+from dispatcher.models import CallQueue, Heartbeat
 
 log = logging.getLogger("dispatcher")
 
@@ -49,8 +50,6 @@ def process_name(kind: str, label: str = "", *, pid: bool = True) -> str:
 
 def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:
     """Record that this process is alive, at most once per interval; return whether it wrote."""
-    from dispatcher.models import Heartbeat
-
     name = name or process_name(kind)
     moment = time.monotonic()
     last = _last_beat.get(name)
@@ -73,8 +72,6 @@ def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:
 
 def stopped(name: str) -> None:
     """Mark a process as stopped cleanly, so readers do not wait for its timeout."""
-    from dispatcher.models import Heartbeat
-
     try:
         Heartbeat.objects.filter(name=name).update(stopped_at=Now())
     except DatabaseError as exc:
@@ -102,8 +99,6 @@ class Liveness:
 
     def problem(self, kind: str) -> str:
         """Say "no dispenser has run since …" when none is alive, else ''."""
-        from dispatcher.status import format_moment
-
         if self.alive(kind):
             return ""
         verb = "run" if kind == DISPENSER else "reported"
@@ -114,8 +109,6 @@ class Liveness:
 
     def summary(self, kind: str) -> str:
         """Say how many of a kind run, or what is wrong."""
-        from dispatcher.status import humanize
-
         alive = self.alive(kind)
         if not alive:
             return self.problem(kind)
@@ -142,9 +135,6 @@ class Liveness:
 
 def read(now: datetime | None = None) -> Liveness:
     """Read every heartbeat (the table holds one row per process seen in the last day)."""
-    from dispatcher.clock import db_now
-    from dispatcher.models import Heartbeat
-
     return Liveness(
         now=now or db_now(),
         timeout=dispatcher_settings.HEARTBEAT_TIMEOUT,
@@ -154,8 +144,6 @@ def read(now: datetime | None = None) -> Liveness:
 
 def stall(call: CallQueue, state: Liveness) -> str:
     """Say what keeps a waiting or dispatched call from moving when a process is missing, or ''."""
-    from dispatcher.status import humanize_duration
-
     if call.status == "pending":
         return state.problem(DISPENSER)
     if call.status == "dispatched" and call.dispatched_at is not None:
@@ -213,7 +201,5 @@ def on_worker_shutdown(sender: Any = None, **kwargs: Any) -> None:
 
 def connect_worker_signals() -> None:
     """Start a worker's heartbeat with the worker, whatever project defines the Celery app."""
-    from celery.signals import worker_ready, worker_shutdown
-
     worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="dispatcher.liveness.ready")
     worker_shutdown.connect(on_worker_shutdown, weak=False, dispatch_uid="dispatcher.liveness.shutdown")

@@ -11,16 +11,19 @@ from datetime import datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, connections, models, transaction
 from django.db.models import F, Q
 
-from dispatcher import limiter, sql
+from dispatcher import limiter, sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
+from dispatcher.durations import parse_positive_duration
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, InvalidKey, InvalidParams
 from dispatcher.inserts import NewCall, insert_many, insert_one
-from dispatcher.keys import key_set, parse_key_set, read_key_set, resolve_keys
+from dispatcher.keys import is_pattern, key_set, parse_key_set, read_key_set, resolve_keys, validate_policy_key
+from dispatcher.policies import validate as validate_shape
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import CallStatus as Status
@@ -601,8 +604,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record: limiter.StartRecord | None,
     ) -> tuple[CallQueue, Attempt] | None:
         """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
-        from dispatcher.models import Attempt
-
         record = record or limiter.StartRecord()
         if connections[self.db].vendor == "postgresql":
             return self._mark_running_returning(call_id, dispatch_no, keys, now, worker, record)
@@ -612,7 +613,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if not won:
             return None
         call = self.get(id=call_id)
-        attempt = Attempt.objects.create(
+        attempt = tables.Attempt.objects.create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
         limiter.record_starts(now, record, call_id)
@@ -627,8 +628,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record: limiter.StartRecord,
     ) -> tuple[CallQueue, Attempt] | None:
         """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
-        from dispatcher.models import Attempt
-
         params = {
             "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
@@ -643,15 +642,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if row is None:
             return None
         call = _call_from_row(self.model, self.db, row[2:])
-        attempt = Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+        attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
         attempt._state.adding, attempt._state.db = False, self.db
         return call, attempt
 
     def _finish(
         self, call: CallQueue, attempt: Attempt, outcome: str, error: str, *, wake: bool = True, **changes: Any
     ) -> bool:
-        from dispatcher.models import Attempt
-
         keys = parse_key_set(call.key_set)
         error = error[:MAX_ERROR_CHARS]
         if connections[self.db].vendor == "postgresql":
@@ -670,7 +667,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 changes, wake = self._finish_changes(changes, now, keys, wake)
                 won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
-                    Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
+                    tables.Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
                     limiter.adjust(keys, running=-1)
                     if wake:
                         limiter.wake_dispensers()
@@ -730,8 +727,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call: CallQueue, attempt: Attempt, retry_after: float | None, key: str | None, error: str
     ) -> bool:
         """Record a 429: pause the key, put the call back to wait, refund the attempt."""
-        from dispatcher.models import Attempt
-
         wait = timedelta(seconds=retry_after) if retry_after is not None else dispatcher_settings.DEFAULT_RETRY_AFTER
         # A downstream may ask for any pause; none lasts longer than DISPATCHER_MAX_PAUSE.
         wait = min(max(wait, timedelta(0)), dispatcher_settings.MAX_PAUSE)
@@ -752,7 +747,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if not won:
                 log.warning("finish_lost call=%s attempt=%s outcome=rate_limited", call.id, attempt.number)
                 return False
-            Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
+            tables.Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
             limiter.pause(paused, until, reason=f"429 from call #{call.id}")
             limiter.adjust(keys, running=-1)
         return True
@@ -763,8 +758,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         The call's rows in the start log take the reported units (and every later running
         total of the key moves with them); its buckets are charged or refunded the difference.
         """
-        from dispatcher.models import KeyBucket, KeyStart, KeyState
-
         keys = parse_key_set(call.key_set)
         if isinstance(reported, Mapping):
             actual = {key: int(reported.get(key, call.cost_of(key))) for key in keys}
@@ -778,22 +771,22 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             policies = limiter.Policies.load()
             now = db_now()
             for key, delta in deltas.items():
-                start = KeyStart.objects.filter(key=key, started_at=call.started_at, call_id=call.id).first()
+                start = tables.KeyStart.objects.filter(key=key, started_at=call.started_at, call_id=call.id).first()
                 if start is not None:
-                    KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
-                    KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
-                KeyState.objects.filter(key=key).update(total=F("total") + delta)
+                    tables.KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                    tables.KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
+                tables.KeyState.objects.filter(key=key).update(total=F("total") + delta)
                 for policy in policies.for_key(key):
                     if not isinstance(policy, limiter.TokenBucket):
                         continue
-                    bucket = KeyBucket.objects.filter(key=key, period=policy.period).first()
+                    bucket = tables.KeyBucket.objects.filter(key=key, period=policy.period).first()
                     if bucket is None or bucket.since > call.started_at:
                         # This bucket (new, or a new shape) never charged the start: nothing to
                         # give back, and an extra charge would count a start it did not see.
                         continue
                     tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
                     if tat is not None:
-                        KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+                        tables.KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
                 limiter.wake_dispensers()
         return deltas
@@ -843,8 +836,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call_id: int, keys: list[str], dispatch_cutoff: datetime, run_cutoff: datetime, policy: RetryPolicy
     ) -> str:
         """Return one stuck call to waiting (or fail it when out of attempts); say which it was, "" if neither."""
-        from dispatcher.models import Attempt
-
         with transaction.atomic(using=self.db):
             limiter.lock_keys(keys)
             call = self.select_for_update().filter(id=call_id).first()
@@ -859,7 +850,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
                 # Started but never finished: the worker died; the attempt counts.
                 error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
-                Attempt.objects.filter(call_id=call_id, outcome="running").update(
+                tables.Attempt.objects.filter(call_id=call_id, outcome="running").update(
                     outcome="lost", finished_at=now, error=error
                 )
                 if call.attempts >= call.max_attempts:
@@ -894,14 +885,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         a window needs. ``progress(done, total)`` is called after every batch. With
         ``dry_run`` nothing is deleted and the number that would be is returned.
         """
-        from dispatcher.models import Attempt, RateLimit
-
         batch = batch or dispatcher_settings.PRUNE_BATCH
         if batch < 1:
             raise ValueError(f"batch must be at least 1, not {batch}")
         if older_than < timedelta(0):
             raise ValueError("older_than cannot be negative")
-        longest = max([timedelta(0), *RateLimit.objects.values_list("period", flat=True)])
+        longest = max([timedelta(0), *tables.RateLimit.objects.values_list("period", flat=True)])
         cutoff = db_now() - max(older_than, longest)
         old = self.finished().filter(finished_at__lt=cutoff)
         total = old.count()
@@ -924,7 +913,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if not ids:
                     break
                 last_id = ids[-1]
-                Attempt.objects.filter(call_id__in=ids)._raw_delete(self.db)
+                tables.Attempt.objects.filter(call_id__in=ids)._raw_delete(self.db)
                 deleted += self.filter(id__in=ids).finished().filter(finished_at__lt=cutoff)._raw_delete(self.db)
             if progress is not None:
                 progress(deleted, total)
@@ -955,3 +944,82 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         with transaction.atomic(using=self.db):
             now = db_now()
             return self.filter(id__in=list(ids), status=PENDING).update(status=CANCELLED, finished_at=now)
+
+
+class RateLimitManager(models.Manager):
+    """Edits of rate policies and pauses, shared by the command, the admin and settings."""
+
+    def set_policy(
+        self,
+        key: str,
+        limit: int,
+        period: timedelta,
+        concurrency: int | None = None,
+        *,
+        burst: int | None = None,
+    ):
+        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
+        validate_policy_key(key)
+        validate_shape(limit, period, burst, concurrency)
+        with transaction.atomic():
+            if not is_pattern(key):
+                # Serialise with starts of the key, which read the policies under this lock.
+                limiter.lock_keys([key])
+            old = self.filter(key=key, period=period).first()
+            policy, _ = self.update_or_create(
+                key=key, period=period, defaults={"limit": limit, "concurrency": concurrency, "burst": burst}
+            )
+            self._carry_buckets(old, policy, db_now())
+            limiter.wake_dispensers()
+        return policy
+
+    def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
+        """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
+        buckets = tables.KeyBucket.objects.filter(period=new.period)
+        if is_pattern(new.key):
+            buckets = buckets.filter(key__startswith=new.key[:-1])
+        else:
+            buckets = buckets.filter(key=new.key)
+        guard = dispatcher_settings.ARRIVAL_GUARD
+        before = old.as_policy().with_guard(guard) if old is not None else None
+        after = new.as_policy().with_guard(guard)
+        if not (isinstance(before, limiter.TokenBucket) and isinstance(after, limiter.TokenBucket)):
+            buckets.delete()
+            return
+        for bucket in buckets.filter(tat_us__gt=limiter.to_us(now)):
+            tat = before.rebase(limiter.from_us(bucket.tat_us), now, after)
+            tables.KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+
+    def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
+        """Pause a key (or every key a pattern matches) for a duration from now."""
+        validate_policy_key(key)
+        if duration <= timedelta(0):
+            raise ValueError("a pause must last longer than zero")
+        with transaction.atomic():
+            until = db_now() + duration
+            limiter.pause([key], until, reason)
+        return until
+
+    def resume_key(self, key: str) -> int:
+        """Lift the pause of a key (or pattern); return how many pauses were lifted."""
+        with_pause = tables.KeyState.objects.filter(key=key, paused_until__isnull=False)
+        lifted = with_pause.update(paused_until=None, pause_reason="")
+        limiter.wake_dispensers()
+        return lifted
+
+    def seed_from_settings(self) -> int:
+        """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
+        count = 0
+        for entry in dispatcher_settings.RATE_LIMITS:
+            try:
+                self.set_policy(
+                    entry["key"],
+                    int(entry["limit"]),
+                    parse_positive_duration(entry["period"]),
+                    int(entry["concurrency"]) if entry.get("concurrency") else None,
+                    burst=int(entry["burst"]) if entry.get("burst") is not None else None,
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ImproperlyConfigured(f"DISPATCHER_RATE_LIMITS entry {entry!r}: {exc}") from exc
+            count += 1
+        return count

@@ -25,11 +25,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.auth import bearer_token_ok
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
+from dispatcher.models import Attempt, CallQueue
 from dispatcher.redact import redact_text
 
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
@@ -46,8 +48,6 @@ class DispatcherCollector(Collector):
         yield from self._liveness()
 
     def _calls(self) -> Iterator:
-        from dispatcher.models import CallQueue
-
         by_status = GaugeMetricFamily("dispatcher_calls", "Calls stored, by status.", labels=["status"])
         counts = dict(CallQueue.objects.values_list("status").annotate(n=Count("id")).order_by())
         for status in CallQueue.Status.values:
@@ -72,8 +72,6 @@ class DispatcherCollector(Collector):
         yield by_key
 
     def _attempts(self) -> Iterator:
-        from dispatcher.models import Attempt
-
         outcomes = dict(Attempt.objects.values_list("outcome").annotate(n=Count("id")).order_by())
         started = CounterMetricFamily("dispatcher_calls_started", "Attempts started (retries included).")
         started.add_metric([], sum(outcomes.values()))
@@ -88,8 +86,6 @@ class DispatcherCollector(Collector):
         done = CounterMetricFamily("dispatcher_calls_done", "Calls that finished done.")
         done.add_metric([], outcomes.get(Attempt.Outcome.DONE, 0))
         yield done
-        from dispatcher.models import CallQueue
-
         failed = CounterMetricFamily("dispatcher_calls_failed", "Calls that gave up (failed).")
         failed.add_metric([], CallQueue.objects.filter(status=CallQueue.Status.FAILED).count())
         yield failed
@@ -100,8 +96,6 @@ class DispatcherCollector(Collector):
         yield rescued
 
     def _wait_histogram(self) -> HistogramMetricFamily:
-        from dispatcher.models import Attempt
-
         waits = Attempt.objects.filter(number=1).annotate(
             wait=ExpressionWrapper(F("started_at") - F("call__created_at"), output_field=DurationField())
         )
@@ -156,8 +150,6 @@ class DispatcherCollector(Collector):
         yield from (utilisation, used, limit, burst, in_flight, paused, learnt)
 
     def _liveness(self) -> Iterator:
-        from dispatcher import liveness
-
         state = liveness.read()
         alive = GaugeMetricFamily(
             "dispatcher_processes_alive", "Dispensers and workers whose heartbeat is within the timeout.", labels=["kind"]

@@ -7,8 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatcher.limiter import RateLimitManager
-from dispatcher.managers import CallQueueManager
+from dispatcher.managers import CallQueueManager, RateLimitManager
 from dispatcher.policies import Policy, make_policy
 from dispatcher.states import CallStatus
 from dispatcher.validation import StoredJSONDecoder

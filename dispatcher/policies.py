@@ -21,6 +21,8 @@ from datetime import datetime, timedelta
 from fractions import Fraction
 from typing import ClassVar
 
+from dispatcher.durations import format_duration
+
 US = timedelta(microseconds=1)
 
 
@@ -100,8 +102,6 @@ class Policy:
         return self.limit * 60 / self.period.total_seconds()
 
     def label(self) -> str:
-        from dispatcher.durations import format_duration
-
         return f"{self.limit} per {format_duration(self.period)}"
 
     def with_guard(self, guard: timedelta) -> Policy:
@@ -146,8 +146,6 @@ class SlidingWindow(Policy):
         return self.span * math.ceil(beyond / self.limit) if beyond > 0 else timedelta(0)
 
     def _period_text(self) -> str:
-        from dispatcher.durations import format_duration
-
         return format_duration(self.period)
 
 

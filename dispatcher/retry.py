@@ -5,6 +5,8 @@ import random
 from dataclasses import dataclass
 from datetime import timedelta
 
+from dispatcher.conf import dispatcher_settings as ds
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -27,6 +29,4 @@ class RetryPolicy:
 
     @classmethod
     def from_settings(cls) -> RetryPolicy:
-        from dispatcher.conf import dispatcher_settings as ds
-
         return cls(base=ds.RETRY_BASE, max=ds.RETRY_MAX, jitter=ds.RETRY_JITTER)

@@ -10,19 +10,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import datetime, timedelta
+from typing import Any
 
-from django.db.models import Count, Min, Q, Sum
+from django.db.models import Count, Max, Min, Q, Sum
 from django.db.models.functions import TruncMinute
 
-from dispatcher import limiter
+from dispatcher import limiter, liveness
 from dispatcher.clock import db_now
+from dispatcher.durations import format_duration, format_moment
 from dispatcher.keys import is_pattern, parse_key_set
+from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
 from dispatcher.policies import Policy as PolicyShape
-
-if TYPE_CHECKING:
-    from dispatcher.models import CallQueue
 
 
 @dataclass(frozen=True)
@@ -82,8 +81,6 @@ class PolicyUse:
 
     def usage_text(self) -> str:
         """Say how much of the policy is taken, in its own terms: "7/10 in the last 1m", "3/5 tokens spent"."""
-        from dispatcher.durations import format_duration
-
         if self.shape == "bucket":
             text = f"{self.committed}/{self.capacity} tokens spent"
         else:
@@ -233,24 +230,6 @@ class WaitExplanation:
         return f"{text}; {self.stalled}" if self.stalled else text
 
 
-def humanize(moment: datetime | None, now: datetime) -> str:
-    """Write a moment relative to now: "in 3 min", "12 s ago", "now"."""
-    if moment is None:
-        return "-"
-    seconds = (moment - now).total_seconds()
-    text = _span(abs(seconds))
-    if text == "now":
-        return text
-    return f"in {text}" if seconds > 0 else f"{text} ago"
-
-
-def format_moment(moment: datetime | None, now: datetime) -> str:
-    """Write a moment the one way every screen does: "2026-11-21 15:02:11 UTC (in 3 min)"."""
-    if moment is None:
-        return "-"
-    return f"{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC ({humanize(moment, now)})"
-
-
 def pause_text(reason: str) -> str:
     """Say how a key is paused: "paused by operator", "paused (429 from call #3)"."""
     if not reason:
@@ -269,28 +248,6 @@ def pause_source(reason: str) -> str:
     return "operator" if reason.startswith("paused by operator") or not reason else reason
 
 
-def humanize_duration(value: timedelta | None) -> str:
-    """Write a duration for people: "3 min", "1 h 5 min", "-"."""
-    if value is None:
-        return "-"
-    text = _span(value.total_seconds())
-    return "0 s" if text == "now" else text
-
-
-def _span(seconds: float) -> str:
-    if seconds < 0.5:
-        return "now"
-    if round(seconds) < 60:
-        return f"{round(seconds)} s"
-    if round(seconds / 60) < 60:
-        return f"{round(seconds / 60)} min"
-    if round(seconds / 3600) < 24:
-        hours, rest = divmod(round(seconds / 60), 60)
-        return f"{hours} h {rest} min" if rest else f"{hours} h"
-    days, rest = divmod(round(seconds / 3600), 24)
-    return f"{days} d {rest} h" if rest else f"{days} d"
-
-
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
@@ -300,8 +257,6 @@ def _seconds(value: timedelta | None) -> float | None:
 
 
 def _key_state(key: str, states: dict[str, Any]) -> Any:
-    from dispatcher.models import KeyState
-
     return states.get(key) or KeyState(key=key)
 
 
@@ -338,8 +293,6 @@ def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies)
 
 def waiting_by_key(now: datetime) -> dict[str, tuple[int, int, datetime | None]]:
     """Return per key (waiting, due now, oldest created_at) over waiting calls, by key set."""
-    from dispatcher.models import CallQueue
-
     totals: dict[str, tuple[int, int, datetime | None]] = {}
     rows = (
         CallQueue.objects.pending()
@@ -362,8 +315,6 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     Worth showing: keys with an exact policy, with waiting or in-flight calls, with a pause,
     or that started a call in the last hour.
     """
-    from dispatcher.models import KeyStart, KeyState, RateLimit
-
     now = now or db_now()
     policies = limiter.Policies.load()
     waiting = waiting_by_key(now)
@@ -391,9 +342,6 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
 
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
-    from dispatcher import liveness
-    from dispatcher.models import Attempt, KeyState
-
     now = now or db_now()
     if call.status not in (call.Status.PENDING, call.Status.DISPATCHED, call.Status.RUNNING):
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
@@ -453,8 +401,6 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:
     """Return (minute, units started) for each of the last ``minutes`` minutes of a key, oldest first."""
-    from dispatcher.models import KeyStart
-
     now = now or db_now()
     end = now.replace(second=0, microsecond=0)
     start = end - timedelta(minutes=minutes - 1)
@@ -471,8 +417,6 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
 
 def call_totals() -> dict[str, int]:
     """Return how many calls are stored in each status (every status named, zeros included)."""
-    from dispatcher.models import CallQueue
-
     counts = dict(CallQueue.objects.values_list("status").annotate(n=Count("id")).order_by())
     return {status: counts.get(status, 0) for status in CallQueue.Status.values}
 
@@ -493,10 +437,6 @@ class KeyFailures:
 
 def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list[KeyFailures]:
     """Return per key the attempts that ended in error and the calls that gave up within ``span``, worst first."""
-    from django.db.models import Max
-
-    from dispatcher.models import Attempt, CallQueue
-
     since = now - span
     found: dict[str, KeyFailures] = {}
     errors = (

@@ -5,6 +5,14 @@ import logging
 import sys
 
 from celery import shared_task
+from django.db import close_old_connections, connection
+
+from dispatcher import liveness
+from dispatcher.beat import DISPENSE, PRUNE, RESCUE
+from dispatcher.conf import dispatcher_settings
+from dispatcher.dispenser import RUN_CALL, RUN_CALLS, Dispenser
+from dispatcher.models import CallQueue
+from dispatcher.worker import execute
 
 log = logging.getLogger("dispatcher")
 
@@ -18,18 +26,12 @@ def _release_greenlet_connection() -> None:
     """
     monkey = sys.modules.get("gevent.monkey")
     if monkey is not None and monkey.is_module_patched("threading"):
-        from django.db import connection
-
         connection.close()
 
 
-@shared_task(name="dispatcher.run_call", ignore_result=True)
+@shared_task(name=RUN_CALL, ignore_result=True)
 def run_call(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call (a stale or duplicate delivery does nothing)."""
-    from django.db import close_old_connections
-
-    from dispatcher.worker import execute
-
     # Workers keep their connection across tasks (CELERY_DB_REUSE_MAX); drop it here if it
     # failed or outlived CONN_MAX_AGE, as Django does at the start of a request.
     close_old_connections()
@@ -39,13 +41,9 @@ def run_call(call_id: int, dispatch_no: int) -> str:
         _release_greenlet_connection()
 
 
-@shared_task(name="dispatcher.run_calls", ignore_result=True)
+@shared_task(name=RUN_CALLS, ignore_result=True)
 def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
     """Run several deliveries one after another (DISPATCHER_CALLS_PER_MESSAGE > 1)."""
-    from django.db import close_old_connections
-
-    from dispatcher.worker import execute
-
     outcomes: dict[str, int] = {}
     for call_id, dispatch_no in deliveries:
         close_old_connections()
@@ -61,12 +59,9 @@ def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
     return outcomes
 
 
-@shared_task(name="dispatcher.dispense", ignore_result=True)
+@shared_task(name=DISPENSE, ignore_result=True)
 def dispense(max_passes: int = 20) -> int:
     """Run dispense passes while each fills its batch (bounded); return calls moved."""
-    from dispatcher import liveness
-    from dispatcher.dispenser import Dispenser
-
     # One row per machine: whichever pool process runs beat's task, it is one dispenser there.
     liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task", pid=False))
     dispenser = Dispenser()
@@ -79,11 +74,9 @@ def dispense(max_passes: int = 20) -> int:
     return moved
 
 
-@shared_task(name="dispatcher.rescue", ignore_result=True)
+@shared_task(name=RESCUE, ignore_result=True)
 def rescue() -> int:
     """Return calls stuck in dispatched or running past their timeout to waiting."""
-    from dispatcher.models import CallQueue
-
     report = CallQueue.objects.rescue()
     if report.ids:
         log.warning(
@@ -93,12 +86,9 @@ def rescue() -> int:
     return len(report.ids)
 
 
-@shared_task(name="dispatcher.prune", ignore_result=True)
+@shared_task(name=PRUNE, ignore_result=True)
 def prune() -> int:
     """Delete finished calls older than DISPATCHER_RETENTION."""
-    from dispatcher.conf import dispatcher_settings
-    from dispatcher.models import CallQueue
-
     deleted = CallQueue.objects.prune(dispatcher_settings.RETENTION)
     log.info("pruned calls=%s", deleted)
     return deleted

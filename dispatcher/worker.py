@@ -17,6 +17,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
+from dispatcher.models import CallQueue
 from dispatcher.registry import get_handler
 from dispatcher.validation import bounded_seconds, check_json
 
@@ -62,8 +63,6 @@ def _jsonable(value: Any) -> Any:
 
 def execute(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call; return what happened (started calls end done, retry or failed)."""
-    from dispatcher.models import CallQueue
-
     worker = f"{socket.gethostname()}:{os.getpid()}"
     # A dispenser may claim a call up to DISPATCHER_DISPATCH_AHEAD before its slot frees: wait
     # for the slot here (briefly, holding no lock) rather than send the call back to wait.
@@ -93,8 +92,6 @@ def execute(call_id: int, dispatch_no: int) -> str:
 
 def _run(call: Any, attempt: Any, capped: bool) -> str:
     """Run the handler of a started call and record its outcome."""
-    from dispatcher.models import CallQueue
-
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys):  # the keys an API's rate-limit signals apply to

@@ -10,6 +10,7 @@ from django.core.management import call_command
 
 from dispatcher import status as live
 from dispatcher.clock import db_now
+from dispatcher.durations import humanize
 from dispatcher.models import Attempt, KeyState, RateLimit
 from tests.starts import log_starts
 
@@ -128,7 +129,7 @@ def test_a_finished_call_is_not_waiting(make_call):
 )
 def test_humanize_writes_times_for_people(seconds, text):
     now = db_now()
-    assert live.humanize(now + timedelta(seconds=seconds), now) == text
+    assert humanize(now + timedelta(seconds=seconds), now) == text
 
 
 def test_dispatcher_status_json_matches_the_known_state(busy_key):

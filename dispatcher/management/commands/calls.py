@@ -6,6 +6,10 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatcher.clock import db_now
+from dispatcher.models import CallQueue
+from dispatcher.status import format_moment
+
 STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
 MAX_LIMIT = 10_000
 
@@ -41,10 +45,6 @@ class Command(BaseCommand):
 
     def do_list(self, status: str | None, key: str | None, method: str | None, limit: str, as_json: bool,
                 **_: Any) -> None:
-        from dispatcher.clock import db_now
-        from dispatcher.models import CallQueue
-        from dispatcher.status import format_moment
-
         try:
             count = int(limit)
         except ValueError:
@@ -84,8 +84,6 @@ class Command(BaseCommand):
             self.stdout.write(f"(first {count}; --limit shows more)")
 
     def _existing(self, ids: list[str]) -> list[int]:
-        from dispatcher.models import CallQueue
-
         wanted = [_call_id(text) for text in ids]
         found = set(CallQueue.objects.filter(id__in=wanted).values_list("id", flat=True))
         missing = [i for i in wanted if i not in found]
@@ -94,16 +92,12 @@ class Command(BaseCommand):
         return wanted
 
     def do_retry(self, ids: list[str], **_: Any) -> None:
-        from dispatcher.models import CallQueue
-
         wanted = self._existing(ids)
         done = CallQueue.objects.retry_now(wanted)
         self.stdout.write(f"{done} of {len(wanted)} calls are due now" + (
             "" if done == len(wanted) else " (the others were in flight, done or cancelled and were left alone)"))
 
     def do_cancel(self, ids: list[str], **_: Any) -> None:
-        from dispatcher.models import CallQueue
-
         wanted = self._existing(ids)
         done = CallQueue.objects.cancel(wanted)
         self.stdout.write(f"cancelled {done} of {len(wanted)} calls" + (

@@ -8,8 +8,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatcher import liveness
 from dispatcher import status as live
-from dispatcher.durations import parse_positive_duration
+from dispatcher.durations import humanize, humanize_duration, parse_positive_duration
 
 MAX_WATCH_ROUNDS = 100_000
 
@@ -46,8 +47,6 @@ class Command(BaseCommand):
             pass
 
     def render(self, keys: list[str] | None, as_json: bool, watch: str | None = None) -> str:
-        from dispatcher import liveness
-
         statuses = live.key_statuses(keys)
         state = liveness.read(statuses[0].now if statuses else None)
         totals = live.call_totals()
@@ -77,14 +76,14 @@ class Command(BaseCommand):
             policies = ", ".join(p.label() for p in s.policies) or "no limit"
             used = ", ".join(f"{p.used}/{p.capacity}" for p in s.policies) or "-"
             flight = f"{s.in_flight}/{s.concurrency}" if s.concurrency else str(s.in_flight)
-            paused = live.humanize(s.paused_until, s.now) if s.paused_until else "-"
+            paused = humanize(s.paused_until, s.now) if s.paused_until else "-"
             if s.blocked:
-                free = live.humanize(s.next_free_at, s.now) if s.next_free_at else "when one finishes"
+                free = humanize(s.next_free_at, s.now) if s.next_free_at else "when one finishes"
             else:
                 # A free slot sends nothing while no dispenser runs: say so where the slot is read.
                 free = "now, but no dispenser runs" if state.problem(liveness.DISPENSER) else "now"
-            rows.append((s.key, policies, used, flight, str(s.waiting), live.humanize_duration(s.oldest_wait),
-                         paused, free, live.humanize_duration(s.drain_time)))
+            rows.append((s.key, policies, used, flight, str(s.waiting), humanize_duration(s.oldest_wait),
+                         paused, free, humanize_duration(s.drain_time)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join([*lines, "", *table, *failure_lines])

@@ -8,6 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.durations import format_duration, parse_duration
+from dispatcher.models import CallQueue, RateLimit
 
 # Rows one transaction may delete; far past any useful batch, well within SQL's LIMIT.
 MAX_BATCH = 1_000_000
@@ -22,8 +23,6 @@ class Command(BaseCommand):
         parser.add_argument("--batch", type=int, default=None, help="rows per transaction (default DISPATCHER_PRUNE_BATCH)")
 
     def handle(self, *args: Any, older_than: str | None, dry_run: bool, batch: int | None, **options: Any) -> None:
-        from dispatcher.models import CallQueue
-
         try:
             age = parse_duration(older_than) if older_than is not None else dispatcher_settings.RETENTION
         except ValueError as exc:
@@ -44,8 +43,6 @@ class Command(BaseCommand):
                 self.stdout.flush()
             else:
                 self.stdout.write(f"deleted {done}/{total}")
-
-        from dispatcher.models import RateLimit
 
         # prune() keeps every call that finished within the longest policy period (the limiter's
         # windows read that history): say so rather than report a cutoff that was not used.

@@ -6,8 +6,11 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, parse_positive_duration
-from dispatcher.keys import validate_policy_key
+from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
+from dispatcher.models import CallQueue, KeyState, RateLimit
+from dispatcher.policies import PolicyError
 from dispatcher.status import format_moment
 
 
@@ -43,9 +46,6 @@ def _key(text: str) -> str:
 
 def _known(key: str) -> bool:
     """Whether a key is known: a policy (exact or a matching pattern), limiter state, or a waiting call."""
-    from dispatcher.keys import is_pattern, pattern_matches
-    from dispatcher.models import CallQueue, KeyState, RateLimit
-
     patterns = [p for p in RateLimit.objects.values_list("key", flat=True).distinct() if is_pattern(p)]
     return (
         RateLimit.objects.filter(key=key).exists()
@@ -87,9 +87,6 @@ class Command(BaseCommand):
         getattr(self, f"do_{action}")(**options)
 
     def do_set(self, key: str, limit: str, per: str, concurrency: str | None, burst: str | None, **_: Any) -> None:
-        from dispatcher.models import RateLimit
-        from dispatcher.policies import PolicyError
-
         key = _key(key)
         limit_value = _positive_int("--limit")(limit)
         period = _duration("--per")(per)
@@ -102,9 +99,6 @@ class Command(BaseCommand):
         self.stdout.write(f"set {policy}: {policy.as_policy().explain()}")
 
     def do_list(self, as_json: bool = False, **_: Any) -> None:
-        from dispatcher.clock import db_now
-        from dispatcher.models import KeyState, RateLimit
-
         policies = list(RateLimit.objects.order_by("key", "period"))
         # Only pauses still in force: an expired pause binds nothing.
         pauses = list(KeyState.objects.filter(paused_until__gt=db_now()).order_by("key"))
@@ -133,8 +127,6 @@ class Command(BaseCommand):
             self.stdout.write(f"paused {s.key} until {format_moment(s.paused_until, now)}{reason}")
 
     def do_pause(self, key: str, duration: str, create: bool = False, **_: Any) -> None:
-        from dispatcher.models import RateLimit
-
         key = _key(key)
         length = _duration("--for")(duration)
         if not create and not _known(key):
@@ -143,19 +135,13 @@ class Command(BaseCommand):
                 "or pass --create to pause it anyway"
             )
         until = RateLimit.objects.pause_key(key, length)
-        from dispatcher.clock import db_now
-
         self.stdout.write(f"paused {key} until {format_moment(until, db_now())}")
 
     def do_resume(self, key: str, **_: Any) -> None:
-        from dispatcher.models import RateLimit
-
         lifted = RateLimit.objects.resume_key(_key(key))
         self.stdout.write(f"resumed {key}" if lifted else f"{key} was not paused")
 
     def do_delete(self, key: str, per: str | None, **_: Any) -> None:
-        from dispatcher.models import RateLimit
-
         policies = RateLimit.objects.filter(key=_key(key))
         if per is not None:
             policies = policies.filter(period=_duration("--per")(per))

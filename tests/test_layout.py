@@ -1,0 +1,104 @@
+"""The app's layout rules, read from its source: no import cycle, no import hidden in a function to
+dodge one, and every hand-written statement run on its manager's database alias."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+APP = Path(__file__).resolve().parent.parent / "dispatcher"
+
+# The only imports inside functions, each for a reason other than a cycle.
+FUNCTION_LOCAL_IMPORTS = {
+    # AppConfig.ready(): runs once the registry is ready; these modules register checks and signals.
+    ("apps", "django.utils.module_loading"), ("apps", "dispatcher"), ("apps", "dispatcher.beat"),
+    ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"),
+    ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"),
+    # The PostgreSQL driver: only a PostgreSQL connection needs it (SQLite runs without it installed).
+    ("dispenser", "psycopg"), ("storedtimes", "psycopg.postgres"), ("storedtimes", "psycopg.pq"),
+    # A Python may be built without sqlite3; the call falls back to Django's batching.
+    ("managers", "sqlite3"),
+    # django_celery_beat's models need its app installed; only the beat schedules use them.
+    ("beat", "django_celery_beat.models"),
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    modules = {}
+    for path in APP.rglob("*.py"):
+        if "migrations" in path.parts:
+            continue
+        name = ".".join(path.relative_to(APP.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = ast.parse(path.read_text(), str(path))
+    return modules
+
+
+def _runtime_imports(tree: ast.Module) -> list[tuple[ast.stmt, bool]]:
+    """Every import run when the module loads or a function runs (not the ``if TYPE_CHECKING:`` ones)."""
+    found: list[tuple[ast.stmt, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING":
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                found.append((child, in_function))
+            visit(child, in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef))
+
+    visit(tree, False)
+    return found
+
+
+def _targets(node: ast.stmt, modules: dict[str, ast.Module]) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    assert isinstance(node, ast.ImportFrom)
+    base = node.module or ""
+    # "from dispatcher import limiter" imports the submodule; "from dispatcher import handler", the package.
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+
+
+def test_the_app_has_no_import_cycle():
+    modules = _modules()
+    graph = {
+        name: {t for node, _ in _runtime_imports(tree) for t in _targets(node, modules) if t in modules and t != name}
+        for name, tree in modules.items()
+    }
+    cycles = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(name: str) -> None:
+        state[name] = 1
+        stack.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(target):], target]))
+            elif target not in state:
+                walk(target)
+        stack.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name)
+    assert cycles == []
+
+
+def test_no_import_is_hidden_in_a_function_but_the_listed_ones():
+    modules = _modules()
+    local = {
+        (name.removeprefix("dispatcher.").rsplit(".", 1)[-1], target)
+        for name, tree in modules.items()
+        for node, in_function in _runtime_imports(tree) if in_function
+        for target in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+    }
+    assert local == FUNCTION_LOCAL_IMPORTS
+
+
+@pytest.mark.parametrize("module", ["models", "managers", "limiter", "sql", "inserts", "clock", "learning"])
+def test_the_models_and_the_modules_below_them_import_no_model_module(module):
+    tree = _modules()[f"dispatcher.{module}"]
+    imported = {t for node, _ in _runtime_imports(tree) for t in _targets(node, _modules())}
+    assert "dispatcher.models" not in imported or module == "models"
