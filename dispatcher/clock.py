@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
 from dispatcher.sql import READ_CLOCK
 
 
-def db_now() -> datetime:
-    """Return the database's current time, read now (not at transaction start)."""
+def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
+    """Return the clock of the database ``using`` names, read now (not at transaction start)."""
+    connection = connections[using]
     if connection.vendor == "postgresql":
         # clock_timestamp(), not now(): now() is frozen at transaction start, which would
         # predate any lock wait and let two dispensers judge one window at different times.

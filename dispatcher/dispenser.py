@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from celery import current_app
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connections
 
 from dispatcher import limiter, liveness, sql
 from dispatcher.clock import db_now
@@ -72,7 +72,7 @@ class Dispenser:
         if not report.full:
             # A full pass is followed by another at once; only a partial one needs to know
             # when to look again.
-            upcoming = CallQueue.objects.next_due_at(db_now())
+            upcoming = CallQueue.objects.next_due_at(db_now(CallQueue.objects.db))
             if upcoming is not None:
                 waits.append(upcoming)
             report.next_at = min(waits) if waits else None
@@ -109,7 +109,7 @@ class Dispenser:
                 except Exception:
                     log.exception("dispense_pass_failed; retrying after a pause")
                     close_old_connections()
-                    connection.close()
+                    connections[CallQueue.objects.db].close()
                     waiter.reset()
                     stop.wait(min(1.0, dispatcher_settings.POLL_INTERVAL.total_seconds()))
                     continue
@@ -118,7 +118,7 @@ class Dispenser:
                 timeout = dispatcher_settings.POLL_INTERVAL.total_seconds()
                 if report.next_at is not None:
                     try:
-                        timeout = min(timeout, max(0.0, (report.next_at - db_now()).total_seconds()))
+                        timeout = min(timeout, max(0.0, (report.next_at - db_now(CallQueue.objects.db)).total_seconds()))
                     except Exception:
                         pass
                 waiter.wait(timeout, stop)
@@ -135,6 +135,8 @@ class Waiter:
         self.conn = None
 
     def _listen(self):
+        # LISTEN where the calls are: the database of CallQueue's manager.
+        connection = connections[CallQueue.objects.db]
         if connection.vendor != "postgresql":
             return None
         if self.conn is None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from django.db import connection, models, transaction
+from django.db import connections, models, router, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
@@ -37,6 +37,15 @@ _DURATION = models.DurationField()
 # A sliding window built from keyword arguments, as other sources of policies (learnt limits)
 # construct them: Policy(key=..., limit=..., period=...).
 Policy = SlidingWindow
+
+
+def alias(using: str | None = None) -> str:
+    """Return the database alias the limiter's statements run on: the caller's manager's, else the router's.
+
+    The routing rule of the app: every statement runs on ``connections[alias]`` with the alias
+    of the manager it serves (``self.db``), never on the default ``connection``.
+    """
+    return using or router.db_for_write(tables.KeyState)
 
 
 def to_us(moment: datetime) -> int:
@@ -69,29 +78,31 @@ class Policies:
         return cls(exact=exact, patterns=patterns, pattern_pauses=dict(pattern_pauses or {}))
 
     @classmethod
-    def load(cls) -> Policies:
+    def load(cls, using: str | None = None) -> Policies:
         """Read every policy and every pattern pause from the database, in one query."""
-        if connection.vendor == "postgresql":
-            # Runs at every start: the query is compiled once per process (it has no
+        db = alias(using)
+        if connections[db].vendor == "postgresql":
+            # Runs at every start: the query is compiled once per process and alias (it has no
             # arguments), and PostgreSQL's rows need no conversion.
-            policies_sql, params = _policies_sql()
-            with connection.cursor() as cursor:
+            policies_sql, params = _policies_sql(db)
+            with connections[db].cursor() as cursor:
                 cursor.execute(policies_sql, params)
                 rows = cursor.fetchall()
         else:
-            rows = list(_policies_query())
+            rows = list(_policies_query(db))
         return cls._from_db_rows(rows)
 
     @classmethod
-    def load_with_clock(cls) -> tuple[Policies, datetime]:
+    def load_with_clock(cls, using: str | None = None) -> tuple[Policies, datetime]:
         """Read the policies and the database's clock (``db_now``) in one round trip."""
-        if connection.vendor != "postgresql":
-            return cls.load(), db_now()
+        db = alias(using)
+        if connections[db].vendor != "postgresql":
+            return cls.load(db), db_now(db)
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
         # and the LEFT JOIN returns it even when no policy exists.
-        policies_sql, params = _policies_sql()
-        with connection.cursor() as cursor:
+        policies_sql, params = _policies_sql(db)
+        with connections[db].cursor() as cursor:
             cursor.execute(sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         return cls._from_db_rows([row[1:] for row in rows if row[1] is not None]), rows[0][0]
@@ -150,19 +161,19 @@ class Policies:
         return None
 
 
-def _policies_query() -> models.QuerySet:
+def _policies_query(db: str) -> models.QuerySet:
     """The policies, then the pattern pauses with the policy columns empty, then the unexpired
     learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
-    policies = tables.RateLimit.objects.order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
+    policies = tables.RateLimit.objects.using(db).order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
         "key", "limit", "period", "burst", "concurrency", "until"
     )
-    pauses = tables.KeyState.objects.order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
+    pauses = tables.KeyState.objects.using(db).order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
         no_limit=models.Value(None, models.IntegerField()),
         no_period=models.Value(None, models.DurationField()),
         no_burst=models.Value(None, models.IntegerField()),
         no_concurrency=models.Value(None, models.IntegerField()),
     ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
-    learnt = tables.LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
+    learnt = tables.LearntLimit.objects.using(db).order_by().filter(expires_at__gt=Now()).annotate(
         no_burst=models.Value(None, models.IntegerField()),
         marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
     ).values_list("key", "limit", "period", "no_burst", "marker", "no_until")
@@ -170,9 +181,9 @@ def _policies_query() -> models.QuerySet:
 
 
 @functools.cache
-def _policies_sql() -> tuple[str, tuple]:
-    query = _policies_query().query
-    return query.get_compiler(connection=connection).as_sql()
+def _policies_sql(db: str) -> tuple[str, tuple]:
+    query = _policies_query(db).query
+    return query.get_compiler(using=db).as_sql()
 
 
 class Hold(enum.StrEnum):
@@ -212,34 +223,38 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
     return max(known, key=lambda v: v.until)
 
 
-def lock_keys(keys: Sequence[str]) -> dict[str, models.Model]:
+def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, models.Model]:
     """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
     if not keys:
         return {}
+    db = alias(using)
     ordered = sorted(set(keys))
-    states = _select_for_update(ordered)
+    states = _select_for_update(ordered, db)
     if len(states) < len(ordered):
-        tables.KeyState.objects.bulk_create(
+        tables.KeyState.objects.using(db).bulk_create(
             [tables.KeyState(key=k) for k in ordered if k not in states], ignore_conflicts=True
         )
-        states = _select_for_update(ordered)
+        states = _select_for_update(ordered, db)
     return states
 
 
-def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
-    if connection.vendor != "postgresql":
-        return {s.key: s for s in tables.KeyState.objects.select_for_update().filter(key__in=ordered).order_by("key")}
+def _select_for_update(ordered: list[str], db: str) -> dict[str, models.Model]:
+    if connections[db].vendor != "postgresql":
+        return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
-    with connection.cursor() as cursor:
+    with connections[db].cursor() as cursor:
         cursor.execute(sql.lock_key_states(), [ordered])
         rows = cursor.fetchall()
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
-    return {row[0]: tables.KeyState.from_db(connection.alias, names, row) for row in rows}
+    return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}
 
 
 def read_policies(
-    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], now: datetime
+    governed: Mapping[str, Sequence[PolicyShape]],
+    states: Mapping[str, models.Model],
+    now: datetime,
+    using: str | None = None,
 ) -> dict[str, list[Reading]]:
     """Return, per key, what storage says about each of its policies at ``now``; one query.
 
@@ -250,6 +265,8 @@ def read_policies(
         return {}
     # All probes in one row; hand-written because the ORM compiles many filtered subqueries
     # more slowly than the database runs them.
+    db = alias(using)
+    connection = connections[db]
     adapt = connection.ops.adapt_datetimefield_value
     buckets, params = [], []
     for key, policies in governed.items():
@@ -266,21 +283,21 @@ def read_policies(
     readings: dict[str, list[Reading]] = {}
     for key, policies in governed.items():
         total = getattr(states.get(key), "total", 0) or 0
-        readings[key] = [_reading(key, policy, next(row), total) for policy in policies]
+        readings[key] = [_reading(key, policy, next(row), total, db) for policy in policies]
     return readings
 
 
-def _reading(key: str, policy: PolicyShape, value: int | None, total: int) -> Reading:
+def _reading(key: str, policy: PolicyShape, value: int | None, total: int, db: str) -> Reading:
     if isinstance(policy, TokenBucket):
         return Reading(tat=from_us(value) if value is not None else None)
     base = total if value is None else value
-    return Reading(used=total - base, leaves_at=functools.partial(_unit_leaves_at, key, base))
+    return Reading(used=total - base, leaves_at=functools.partial(_unit_leaves_at, db, key, base))
 
 
-def _unit_leaves_at(key: str, base: int, n: int) -> datetime | None:
+def _unit_leaves_at(db: str, key: str, base: int, n: int) -> datetime | None:
     """Return the start time of the start that holds the n-th unit after ``base``: one index probe."""
     return (
-        tables.KeyStart.objects.filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
+        tables.KeyStart.objects.using(db).filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
     )
 
 
@@ -293,6 +310,7 @@ def check_key(
     for_start: bool,
     readings: Sequence[Reading] | None = None,
     cost: int = 1,
+    using: str | None = None,
 ) -> Verdict:
     """Return the room (in units) a key has now for a call of ``cost`` units.
 
@@ -318,7 +336,7 @@ def check_key(
             kind=Hold.CONCURRENCY if cap - busy <= 0 else None,
         ))
     if readings is None:
-        readings = read_policies({key: governing}, {key: state}, now)[key]
+        readings = read_policies({key: governing}, {key: state}, now, using)[key]
     for policy, reading in zip(governing, readings, strict=True):
         room = policy.room(reading, now, reserved_units)
         if room >= cost:
@@ -345,6 +363,7 @@ def assess(
     *,
     for_start: bool,
     costs: Mapping[str, int] | None = None,
+    using: str | None = None,
 ) -> Assessment:
     """Judge every key, reading all their policies in one query."""
     governed = {k: policies.for_key(k) for k in keys}
@@ -353,7 +372,7 @@ def assess(
         k: governing for k, governing in governed.items()
         if governing and _paused_until(k, states[k], now, policies) is None
     }
-    readings = read_policies(to_read, states, now)
+    readings = read_policies(to_read, states, now, using)
     costs = costs or {}
     verdicts = {
         k: check_key(
@@ -371,9 +390,10 @@ def check_each_key(
     policies: Policies,
     *,
     for_start: bool,
+    using: str | None = None,
 ) -> dict[str, Verdict]:
     """Return the room of each key, reading all their policies in one query."""
-    return assess(keys, states, now, policies, for_start=for_start).verdicts
+    return assess(keys, states, now, policies, for_start=for_start, using=using).verdicts
 
 
 def _paused_until(key: str, state: models.Model, now: datetime, policies: Policies) -> datetime | None:
@@ -389,9 +409,10 @@ def check_keys(
     policies: Policies,
     *,
     for_start: bool,
+    using: str | None = None,
 ) -> Verdict:
     """Return the room of a set of keys: a call is admitted only if every key has room."""
-    return combine(list(check_each_key(keys, states, now, policies, for_start=for_start).values()))
+    return combine(list(check_each_key(keys, states, now, policies, for_start=for_start, using=using).values()))
 
 
 @dataclass
@@ -422,19 +443,20 @@ def start_record(
     return record
 
 
-def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:
+def record_starts(at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None) -> None:
     """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
-    tables.KeyStart.objects.bulk_create(
+    db = alias(using)
+    tables.KeyStart.objects.using(db).bulk_create(
         [tables.KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
     )
     if record.buckets:
-        tables.KeyBucket.objects.bulk_create(
+        tables.KeyBucket.objects.using(db).bulk_create(
             [tables.KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
             update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
         )
 
 
-def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None) -> None:
+def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None, using: str | None = None) -> None:
     """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one statement."""
     units = units or by_key
     by_key = {key: n for key, n in by_key.items() if n}
@@ -443,7 +465,7 @@ def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = No
     params = [value for pair in by_key.items() for value in pair]
     params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
     params += list(by_key)
-    with connection.cursor() as cursor:
+    with connections[alias(using)].cursor() as cursor:
         cursor.execute(sql.adjust_reserved(len(by_key)), params)
 
 
@@ -454,6 +476,7 @@ def adjust(
     running: int = 0,
     units: Mapping[str, int] | None = None,
     totals: Mapping[str, int] | None = None,
+    using: str | None = None,
 ) -> None:
     """Move the in-flight counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
 
@@ -461,11 +484,12 @@ def adjust(
     """
     if not keys or (reserved == 0 and running == 0):
         return
+    states = tables.KeyState.objects.using(alias(using))
     if reserved == 0 and not totals:
-        tables.KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
+        states.filter(key__in=list(keys)).update(running=models.F("running") + running)
         return
     if units is None and not totals:
-        tables.KeyState.objects.filter(key__in=list(keys)).update(
+        states.filter(key__in=list(keys)).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + reserved,
             running=models.F("running") + running,
@@ -474,7 +498,7 @@ def adjust(
     # Per key: each moves by its own units, and a start sets each key's own running total.
     sign = 1 if reserved > 0 else -1
     for key in keys:
-        tables.KeyState.objects.filter(key=key).update(
+        states.filter(key=key).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
             running=models.F("running") + running,
@@ -482,31 +506,35 @@ def adjust(
         )
 
 
-def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:
+def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:
     """Pause keys until the given time, never shortening a longer pause already set."""
+    states = tables.KeyState.objects.using(alias(using))
     for key in keys:
-        tables.KeyState.objects.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
-        tables.KeyState.objects.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
+        states.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
+        states.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
             paused_until=until, pause_reason=reason[:200]
         )
 
 
-def prune_starts(batch: int = 5000) -> int:
+def prune_starts(batch: int = 5000, using: str | None = None) -> int:
     """Delete window-log rows older than the longest policy period (at least an hour)."""
     # Kept as long as the longest window counts (its period and the arrival guard).
-    longest = max([timedelta(hours=1), *tables.RateLimit.objects.values_list("period", flat=True)])
-    cutoff = db_now() - longest - dispatcher_settings.ARRIVAL_GUARD
+    db = alias(using)
+    longest = max([timedelta(hours=1), *tables.RateLimit.objects.using(db).values_list("period", flat=True)])
+    cutoff = db_now(db) - longest - dispatcher_settings.ARRIVAL_GUARD
     deleted = 0
     while True:
-        with transaction.atomic():
-            ids = list(tables.KeyStart.objects.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
+        with transaction.atomic(using=db):
+            starts = tables.KeyStart.objects.using(db)
+            ids = list(starts.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
             if not ids:
                 return deleted
-            deleted += tables.KeyStart.objects.filter(id__in=ids)._raw_delete(tables.KeyStart.objects.db)
+            deleted += starts.filter(id__in=ids)._raw_delete(db)
 
 
-def wake_dispensers() -> None:
+def wake_dispensers(using: str | None = None) -> None:
     """Wake long-running dispensers (on PostgreSQL, delivered when the transaction commits)."""
+    connection = connections[alias(using)]
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
             cursor.execute(sql.NOTIFY, [WAKE_CHANNEL])

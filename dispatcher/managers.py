@@ -12,7 +12,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, connections, models, transaction
+from django.db import connections, models, transaction
 from django.db.models import F, Q
 
 from dispatcher import limiter, sql, tables
@@ -147,6 +147,9 @@ def _clean_queue(queue: Any) -> str:
 class _SendSettings:
     """The settings send() reads, each read at most once and only when a call needs it."""
 
+    def __init__(self, db: str) -> None:
+        self.db = db
+
     @cached_property
     def max_params_bytes(self) -> int:
         return dispatcher_settings.MAX_PARAMS_BYTES
@@ -162,7 +165,7 @@ class _SendSettings:
     @cached_property
     def policies(self) -> limiter.Policies:
         # Read only for a call that costs more than 1 unit somewhere: 1 unit fits every policy.
-        return limiter.Policies.load()
+        return limiter.Policies.load(self.db)
 
 
 def _clean_call(
@@ -300,7 +303,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
         call = _clean_call(
-            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
+            _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
             max_attempts=max_attempts, queue=queue, cost=cost,
         )
         return self.model(**call.fields(PENDING))
@@ -323,7 +326,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         a cost one of the call's policies could never admit is refused (CostNeverFits).
         """
         call = _clean_call(
-            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
+            _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
             max_attempts=max_attempts, queue=queue, cost=cost,
         )
         db_connection = connections[self.db]
@@ -335,7 +338,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def send_many(self, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
         """Store many calls (each a dict of send()'s arguments) in one statement; all or none."""
-        settings = _SendSettings()
+        settings = _SendSettings(self.db)
         cleaned = []
         for index, spec in enumerate(calls):
             if not isinstance(spec, Mapping):
@@ -362,7 +365,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     def waiting_key_sets(self, after: str | None = None, limit: int = 10_000) -> list[str]:
         """Return the distinct key sets of waiting calls, in order, one index probe each."""
         # A loose index scan: each step asks the partial index for the next key set.
-        with connection.cursor() as cursor:
+        with connections[self.db].cursor() as cursor:
             cursor.execute(sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
             return [row[0] for row in cursor.fetchall()]
 
@@ -390,12 +393,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         all_keys = sorted({key for keys in parsed.values() for key in keys})
         # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
         with transaction.atomic(using=self.db):
-            states = limiter.lock_keys(all_keys)
-            now = db_now()
+            states = limiter.lock_keys(all_keys, using=self.db)
+            now = db_now(self.db)
             # Judge the windows a little ahead, so a call claimed for a slot about to free
             # reaches its worker as the slot frees; the start re-checks on the clock of then.
             at = now + dispatcher_settings.DISPATCH_AHEAD
-            by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False)
+            by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False, using=self.db)
             room = {key: verdict.room for key, verdict in by_key.items()}
             active = []
             for text, keys in parsed.items():
@@ -446,7 +449,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 budget -= len(kept)
                 # Only a key set that filled its share may have more waiting.
                 active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted and text not in walled]
-            limiter.adjust_reserved(reserved, reserved_units)
+            limiter.adjust_reserved(reserved, reserved_units, using=self.db)
             # A key set whose keys this pass filled (or whose next call's cost does not fit)
             # waits for room like one found blocked.
             filled = sorted({key for key in reserved if room[key] <= 0} | {k for c in walled.values() for k in c})
@@ -458,7 +461,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 for costs in walled.values():
                     for key, units in costs.items():
                         need[key] = max(need.get(key, 1), units)
-                after = limiter.assess(filled, states, at, policies, for_start=False, costs=need).verdicts
+                after = limiter.assess(filled, states, at, policies, for_start=False, costs=need, using=self.db).verdicts
                 for text, keys in parsed.items():
                     if not result.verdicts[text].blocked and any(key in after for key in keys):
                         result.verdicts[text] = limiter.combine([after.get(key, by_key[key]) for key in keys])
@@ -469,7 +472,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     def _fail_unreadable(self, calls: CallQueueQuerySet, problem: str) -> int:
         """Mark calls whose stored row cannot be read failed, saying why, so they stop no pass or sweep."""
         failed = calls.update(
-            status=FAILED, dispatched_at=None, finished_at=db_now(), last_error=f"unreadable row: {problem}"
+            status=FAILED, dispatched_at=None, finished_at=db_now(self.db), last_error=f"unreadable row: {problem}"
         )
         log.error("unreadable_calls failed=%s error=%r", failed, problem)
         return failed
@@ -517,7 +520,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         for text, group in by_set.items():
             keys = parse_key_set(text)
             with transaction.atomic(using=self.db):
-                limiter.lock_keys(keys)
+                limiter.lock_keys(keys, using=self.db)
                 won = 0
                 units = dict.fromkeys(keys, 0)
                 for call in group:
@@ -527,7 +530,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         won += 1
                         for key in keys:
                             units[key] += call.units(key)
-                limiter.adjust(keys, reserved=-won, units=units)
+                limiter.adjust(keys, reserved=-won, units=units, using=self.db)
                 returned += won
         return returned
 
@@ -561,12 +564,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record = None
         with transaction.atomic(using=self.db):
             if keys:
-                states = limiter.lock_keys(keys)
+                states = limiter.lock_keys(keys, using=self.db)
                 # Read after the lock wait, so a policy edit committed meanwhile binds this start.
-                policies, now = limiter.Policies.load_with_clock()
+                policies, now = limiter.Policies.load_with_clock(self.db)
                 # Re-checked at the start itself: a message may have waited in the broker while
                 # the window filled, a policy tightened or a pause began.
-                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, using=self.db)
                 verdict = limiter.combine(list(assessment.verdicts.values()))
                 if (
                     verdict.blocked and verdict.until is not None
@@ -576,8 +579,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     # which no other start of these keys could use before then anyway, so the
                     # start lands on its slot rather than a worker's round trip after it.
                     time.sleep((verdict.until - now).total_seconds())
-                    now = db_now()
-                    assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                    now = db_now(self.db)
+                    assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, using=self.db)
                     verdict = limiter.combine(list(assessment.verdicts.values()))
                 if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
                     return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
@@ -588,12 +591,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     )
                     if not deferred:
                         return Started("stale", reason="claimed by another delivery")
-                    limiter.adjust(keys, reserved=-1, units=costs)
+                    limiter.adjust(keys, reserved=-1, units=costs, using=self.db)
                     return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
                 capped = any(p.concurrency for key in keys for p in policies.for_key(key))
                 record = limiter.start_record(keys, states, assessment, policies, now, costs)
             else:
-                now = db_now()
+                now = db_now(self.db)
             started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200], record)
         if started is None:
             return Started("stale", reason="claimed by another delivery")
@@ -613,13 +616,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if not won:
             return None
         call = self.get(id=call_id)
-        attempt = tables.Attempt.objects.create(
+        attempt = tables.Attempt.objects.using(self.db).create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
-        limiter.record_starts(now, record, call_id)
+        limiter.record_starts(now, record, call_id, using=self.db)
         limiter.adjust(
             keys, reserved=-1, running=1, units={key: units for key, units, _ in record.log},
-            totals={key: cum for key, _, cum in record.log},
+            totals={key: cum for key, _, cum in record.log}, using=self.db,
         )
         return call, attempt
 
@@ -657,20 +660,20 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             # very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first
             # start takes both the other way, and then PostgreSQL ends one of the two: a finish
             # is retried by the worker, a duplicate start does nothing.
-            now = db_now()
+            now = db_now(self.db)
             changes, wake = self._finish_changes(changes, now, keys, wake)
             won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
         else:
             with transaction.atomic(using=self.db):
-                limiter.lock_keys(keys)
-                now = db_now()
+                limiter.lock_keys(keys, using=self.db)
+                now = db_now(self.db)
                 changes, wake = self._finish_changes(changes, now, keys, wake)
                 won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
-                    tables.Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
-                    limiter.adjust(keys, running=-1)
+                    tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
+                    limiter.adjust(keys, running=-1, using=self.db)
                     if wake:
-                        limiter.wake_dispensers()
+                        limiter.wake_dispensers(using=self.db)
         if not won:
             # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
             log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
@@ -735,8 +738,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         max_deferrals = dispatcher_settings.MAX_DEFERRALS
         gives_up = max_deferrals is not None and call.deferrals + 1 > max_deferrals
         with transaction.atomic(using=self.db):
-            limiter.lock_keys(sorted(set(keys) | set(paused)))
-            now = db_now()
+            limiter.lock_keys(sorted(set(keys) | set(paused)), using=self.db)
+            now = db_now(self.db)
             until = now + wait
             fields: dict[str, Any] = {"deferrals": F("deferrals") + 1, "attempts": F("attempts") - 1, "last_error": error}
             if gives_up:
@@ -747,9 +750,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if not won:
                 log.warning("finish_lost call=%s attempt=%s outcome=rate_limited", call.id, attempt.number)
                 return False
-            tables.Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
-            limiter.pause(paused, until, reason=f"429 from call #{call.id}")
-            limiter.adjust(keys, running=-1)
+            tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
+            limiter.pause(paused, until, reason=f"429 from call #{call.id}", using=self.db)
+            limiter.adjust(keys, running=-1, using=self.db)
         return True
 
     def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
@@ -767,28 +770,28 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if not deltas or call.started_at is None:
             return {}
         with transaction.atomic(using=self.db):
-            limiter.lock_keys(keys)
-            policies = limiter.Policies.load()
-            now = db_now()
+            limiter.lock_keys(keys, using=self.db)
+            policies = limiter.Policies.load(self.db)
+            now = db_now(self.db)
             for key, delta in deltas.items():
-                start = tables.KeyStart.objects.filter(key=key, started_at=call.started_at, call_id=call.id).first()
+                start = tables.KeyStart.objects.using(self.db).filter(key=key, started_at=call.started_at, call_id=call.id).first()
                 if start is not None:
-                    tables.KeyStart.objects.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
-                    tables.KeyStart.objects.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
-                tables.KeyState.objects.filter(key=key).update(total=F("total") + delta)
+                    tables.KeyStart.objects.using(self.db).filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                    tables.KeyStart.objects.using(self.db).filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
+                tables.KeyState.objects.using(self.db).filter(key=key).update(total=F("total") + delta)
                 for policy in policies.for_key(key):
                     if not isinstance(policy, limiter.TokenBucket):
                         continue
-                    bucket = tables.KeyBucket.objects.filter(key=key, period=policy.period).first()
+                    bucket = tables.KeyBucket.objects.using(self.db).filter(key=key, period=policy.period).first()
                     if bucket is None or bucket.since > call.started_at:
                         # This bucket (new, or a new shape) never charged the start: nothing to
                         # give back, and an extra charge would count a start it did not see.
                         continue
                     tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
                     if tat is not None:
-                        tables.KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+                        tables.KeyBucket.objects.using(self.db).filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
-                limiter.wake_dispensers()
+                limiter.wake_dispensers(using=self.db)
         return deltas
 
     # --- rescue --------------------------------------------------------------------------
@@ -797,7 +800,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """Return calls stuck in dispatched or running past their timeout to waiting."""
         batch = batch or dispatcher_settings.RESCUE_BATCH
         report = RescueReport()
-        now = db_now()
+        now = db_now(self.db)
         dispatch_cutoff = now - dispatcher_settings.DISPATCH_TIMEOUT
         run_cutoff = now - dispatcher_settings.RUN_TIMEOUT
         stuck = list(
@@ -837,20 +840,20 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> str:
         """Return one stuck call to waiting (or fail it when out of attempts); say which it was, "" if neither."""
         with transaction.atomic(using=self.db):
-            limiter.lock_keys(keys)
+            limiter.lock_keys(keys, using=self.db)
             call = self.select_for_update().filter(id=call_id).first()
             if call is None:
                 return ""
-            now = db_now()
+            now = db_now(self.db)
             if call.status == DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
                 # Claimed but never started: the message was lost; no attempt was spent.
                 self.filter(id=call_id).update(status=PENDING, dispatched_at=None)
-                limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys})
+                limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys}, using=self.db)
                 outcome = "dispatched"
             elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
                 # Started but never finished: the worker died; the attempt counts.
                 error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
-                tables.Attempt.objects.filter(call_id=call_id, outcome="running").update(
+                tables.Attempt.objects.using(self.db).filter(call_id=call_id, outcome="running").update(
                     outcome="lost", finished_at=now, error=error
                 )
                 if call.attempts >= call.max_attempts:
@@ -861,10 +864,10 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         status=PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
                     )
                     outcome = "running"
-                limiter.adjust(keys, running=-1)
+                limiter.adjust(keys, running=-1, using=self.db)
             else:
                 return ""
-            limiter.wake_dispensers()
+            limiter.wake_dispensers(using=self.db)
         return outcome
 
     # --- retention ------------------------------------------------------------------------
@@ -890,8 +893,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             raise ValueError(f"batch must be at least 1, not {batch}")
         if older_than < timedelta(0):
             raise ValueError("older_than cannot be negative")
-        longest = max([timedelta(0), *tables.RateLimit.objects.values_list("period", flat=True)])
-        cutoff = db_now() - max(older_than, longest)
+        longest = max([timedelta(0), *tables.RateLimit.objects.using(self.db).values_list("period", flat=True)])
+        cutoff = db_now(self.db) - max(older_than, longest)
         old = self.finished().filter(finished_at__lt=cutoff)
         total = old.count()
         if dry_run or total == 0:
@@ -913,11 +916,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if not ids:
                     break
                 last_id = ids[-1]
-                tables.Attempt.objects.filter(call_id__in=ids)._raw_delete(self.db)
+                tables.Attempt.objects.using(self.db).filter(call_id__in=ids)._raw_delete(self.db)
                 deleted += self.filter(id__in=ids).finished().filter(finished_at__lt=cutoff)._raw_delete(self.db)
             if progress is not None:
                 progress(deleted, total)
-        limiter.prune_starts()
+        limiter.prune_starts(using=self.db)
         return deleted
 
     # --- operator actions ----------------------------------------------------------------
@@ -926,7 +929,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """Make waiting calls due now and give failed calls one more attempt; return how many."""
         ids = list(ids)
         with transaction.atomic(using=self.db):
-            now = db_now()
+            now = db_now(self.db)
             waiting = self.filter(id__in=ids, status=PENDING).update(run_at=now)
             failed = self.filter(id__in=ids, status=FAILED).update(
                 status=PENDING, run_at=now, finished_at=None,
@@ -936,13 +939,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     output_field=models.PositiveIntegerField(),
                 ),
             )
-            limiter.wake_dispensers()
+            limiter.wake_dispensers(using=self.db)
         return waiting + failed
 
     def cancel(self, ids: Iterable[int]) -> int:
         """Cancel waiting calls; calls in flight or finished are left alone."""
         with transaction.atomic(using=self.db):
-            now = db_now()
+            now = db_now(self.db)
             return self.filter(id__in=list(ids), status=PENDING).update(status=CANCELLED, finished_at=now)
 
 
@@ -961,21 +964,21 @@ class RateLimitManager(models.Manager):
         """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
         validate_policy_key(key)
         validate_shape(limit, period, burst, concurrency)
-        with transaction.atomic():
+        with transaction.atomic(using=self.db):
             if not is_pattern(key):
                 # Serialise with starts of the key, which read the policies under this lock.
-                limiter.lock_keys([key])
+                limiter.lock_keys([key], using=self.db)
             old = self.filter(key=key, period=period).first()
             policy, _ = self.update_or_create(
                 key=key, period=period, defaults={"limit": limit, "concurrency": concurrency, "burst": burst}
             )
-            self._carry_buckets(old, policy, db_now())
-            limiter.wake_dispensers()
+            self._carry_buckets(old, policy, db_now(self.db))
+            limiter.wake_dispensers(using=self.db)
         return policy
 
     def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
         """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
-        buckets = tables.KeyBucket.objects.filter(period=new.period)
+        buckets = tables.KeyBucket.objects.using(self.db).filter(period=new.period)
         if is_pattern(new.key):
             buckets = buckets.filter(key__startswith=new.key[:-1])
         else:
@@ -988,23 +991,23 @@ class RateLimitManager(models.Manager):
             return
         for bucket in buckets.filter(tat_us__gt=limiter.to_us(now)):
             tat = before.rebase(limiter.from_us(bucket.tat_us), now, after)
-            tables.KeyBucket.objects.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+            tables.KeyBucket.objects.using(self.db).filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
 
     def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
         """Pause a key (or every key a pattern matches) for a duration from now."""
         validate_policy_key(key)
         if duration <= timedelta(0):
             raise ValueError("a pause must last longer than zero")
-        with transaction.atomic():
-            until = db_now() + duration
-            limiter.pause([key], until, reason)
+        with transaction.atomic(using=self.db):
+            until = db_now(self.db) + duration
+            limiter.pause([key], until, reason, using=self.db)
         return until
 
     def resume_key(self, key: str) -> int:
         """Lift the pause of a key (or pattern); return how many pauses were lifted."""
-        with_pause = tables.KeyState.objects.filter(key=key, paused_until__isnull=False)
+        with_pause = tables.KeyState.objects.using(self.db).filter(key=key, paused_until__isnull=False)
         lifted = with_pause.update(paused_until=None, pause_reason="")
-        limiter.wake_dispensers()
+        limiter.wake_dispensers(using=self.db)
         return lifted
 
     def seed_from_settings(self) -> int:

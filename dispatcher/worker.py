@@ -11,7 +11,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, connections
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
@@ -46,7 +46,7 @@ def _record(finish: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             if tries == RECORD_TRIES:
                 raise
             log.warning("record_retry finish=%s try=%s error=%r", finish.__name__, tries, exc)
-            connection.close()
+            connections[CallQueue.objects.db].close()
             time.sleep(min(0.2 * 2 ** (tries - 1), 2.0))
     raise AssertionError("unreachable")
 

@@ -102,3 +102,16 @@ def test_the_models_and_the_modules_below_them_import_no_model_module(module):
     tree = _modules()[f"dispatcher.{module}"]
     imported = {t for node, _ in _runtime_imports(tree) for t in _targets(node, _modules())}
     assert "dispatcher.models" not in imported or module == "models"
+
+
+def test_no_statement_runs_on_the_default_connection():
+    """Statements run on ``connections[alias]`` with their manager's alias (``self.db``, or
+    ``limiter.alias()``); the default ``connection`` is imported only to be closed, by a greenlet
+    (tasks) or the heartbeat thread (liveness)."""
+    importers = set()
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "django.db":
+                if any(alias.name == "connection" for alias in node.names):
+                    importers.add(name)
+    assert importers == {"dispatcher.tasks", "dispatcher.liveness"}

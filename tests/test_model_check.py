@@ -33,7 +33,7 @@ class Clock:
     def __init__(self) -> None:
         self.now = datetime(2030, 1, 1, tzinfo=UTC)
 
-    def __call__(self) -> datetime:
+    def __call__(self, using: str | None = None) -> datetime:
         return self.now
 
 
@@ -54,7 +54,7 @@ def clock(monkeypatch, settings) -> Clock:
         monkeypatch.setattr(module, "db_now", fake)
     # A start reads the policies and the clock in one statement on PostgreSQL; keep its clock fake too.
     monkeypatch.setattr(
-        dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls: (cls.load(), fake()))
+        dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), fake()))
     )
     return fake
 
