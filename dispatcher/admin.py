@@ -13,7 +13,6 @@ from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.models import CHANGE, LogEntry
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
 from django.db.models import Min, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect, JsonResponse
 from django.shortcuts import get_object_or_404
@@ -605,12 +604,21 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         return actions
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
-        with transaction.atomic():
-            if change:
-                # A new key or period is a new policy: set_policy upserts by (key, period).
-                RateLimit.objects.filter(pk=obj.pk).exclude(key=obj.key, period=obj.period).delete()
+        # The manager's edits lock the key and wake the dispensers, as the command's do.
+        if change:
+            saved = RateLimit.objects.replace_policy(
+                obj.pk, obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst
+            )
+        else:
             saved = RateLimit.objects.set_policy(obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst)
         obj.pk = saved.pk
+
+    def delete_model(self, request: HttpRequest, obj: RateLimit) -> None:
+        RateLimit.objects.delete_policies(obj.key, obj.period)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[RateLimit]) -> None:
+        for key, period in queryset.values_list("key", "period"):
+            RateLimit.objects.delete_policies(key, period)
 
     def _statuses(self, policy: RateLimit) -> list[live.KeyStatus]:
         statuses = getattr(_page, "statuses", {})

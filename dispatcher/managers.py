@@ -30,7 +30,7 @@ from dispatcher.states import CallStatus as Status
 from dispatcher.validation import OutOfBounds, check_json, check_moment
 
 if TYPE_CHECKING:
-    from dispatcher.models import Attempt, CallQueue
+    from dispatcher.models import Attempt, CallQueue, RateLimit
 
 log = logging.getLogger("dispatcher")
 
@@ -960,7 +960,7 @@ class RateLimitManager(models.Manager):
         concurrency: int | None = None,
         *,
         burst: int | None = None,
-    ):
+    ) -> RateLimit:
         """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
         validate_policy_key(key)
         validate_shape(limit, period, burst, concurrency)
@@ -975,6 +975,40 @@ class RateLimitManager(models.Manager):
             self._carry_buckets(old, policy, db_now(self.db))
             limiter.wake_dispensers(using=self.db)
         return policy
+
+    def replace_policy(
+        self,
+        pk: int,
+        key: str,
+        limit: int,
+        period: timedelta,
+        concurrency: int | None = None,
+        *,
+        burst: int | None = None,
+    ) -> RateLimit:
+        """Change policy ``pk``; a new key or period is a new policy, so the old one is deleted (with its wake-up)."""
+        with transaction.atomic(using=self.db):
+            old = self.filter(pk=pk).exclude(key=key, period=period).values_list("key", "period").first()
+            if old is not None:
+                self.delete_policies(*old)
+            return self.set_policy(key, limit, period, concurrency, burst=burst)
+
+    def delete_policies(self, key: str, period: timedelta | None = None) -> int:
+        """Delete the policies of ``key`` (only the one of ``period`` if given); return how many.
+
+        Locked and woken as ``set_policy`` is: a start of the key reads the policies under its
+        lock, and a dispenser waiting on the deleted policy is woken to send what it held back.
+        """
+        with transaction.atomic(using=self.db):
+            if not is_pattern(key):
+                limiter.lock_keys([key], using=self.db)
+            policies = self.filter(key=key)
+            if period is not None:
+                policies = policies.filter(period=period)
+            deleted, _ = policies.delete()
+            if deleted:
+                limiter.wake_dispensers(using=self.db)
+        return deleted
 
     def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
         """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""

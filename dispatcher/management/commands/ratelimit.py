@@ -142,10 +142,8 @@ class Command(BaseCommand):
         self.stdout.write(f"resumed {key}" if lifted else f"{key} was not paused")
 
     def do_delete(self, key: str, per: str | None, **_: Any) -> None:
-        policies = RateLimit.objects.filter(key=_key(key))
-        if per is not None:
-            policies = policies.filter(period=_duration("--per")(per))
-        deleted, _ = policies.delete()
+        period = _duration("--per")(per) if per is not None else None
+        deleted = RateLimit.objects.delete_policies(_key(key), period)
         if not deleted:
             raise CommandError(f"no policy for {key!r}" + (f" per {per}" if per else ""))
         self.stdout.write(f"deleted {deleted} polic{'y' if deleted == 1 else 'ies'} of {key}")
