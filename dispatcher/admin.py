@@ -76,11 +76,11 @@ class CallStateFilter(admin.SimpleListFilter):
             ("retry", "Waiting for a retry"),
             ("deferred", "Waiting after a 429"),
             ("in_flight", "In flight (dispatched or running)"),
-            ("dispatched", "Dispatched, not started"),
-            ("running", "Running"),
-            ("done", "Done"),
-            ("failed", "Failed (gave up)"),
-            ("cancelled", "Cancelled"),
+            (CallQueue.Status.DISPATCHED, "Dispatched, not started"),
+            (CallQueue.Status.RUNNING, "Running"),
+            (CallQueue.Status.DONE, "Done"),
+            (CallQueue.Status.FAILED, "Failed (gave up)"),
+            (CallQueue.Status.CANCELLED, "Cancelled"),
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
@@ -93,7 +93,7 @@ class CallStateFilter(admin.SimpleListFilter):
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals__gt=0)
         if value == "in_flight":
             return queryset.in_flight()
-        if value in {"dispatched", "running", "done", "failed", "cancelled"}:
+        if value in set(CallQueue.Status.values) - {CallQueue.Status.PENDING}:
             return queryset.filter(status=value)
         return queryset
 

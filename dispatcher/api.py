@@ -88,7 +88,7 @@ def call_data(call: Any) -> dict[str, Any]:
         "result": redact(call.result),
         "last_error": redact_text(call.last_error),
     }
-    if call.status == "pending":
+    if call.status == CallQueue.Status.PENDING:
         explanation = explain_call(call)
         data["waiting"] = {
             "reasons": [{"kind": r.kind, "key": r.key or None, "text": r.text} for r in explanation.reasons],

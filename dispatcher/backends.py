@@ -30,6 +30,8 @@ from django.utils.module_loading import import_string
 from dispatcher import tables
 from dispatcher.exceptions import InvalidParams, PermanentError
 from dispatcher.keys import resolve_keys
+from dispatcher.states import AttemptOutcome as Outcome
+from dispatcher.states import CallStatus as Status
 
 try:  # Django >= 6.0 ships the framework.
     from django.tasks import DEFAULT_TASK_QUEUE_NAME, Task, TaskResult, TaskResultStatus
@@ -233,20 +235,20 @@ def _named_arguments(task: Task, args: list[Any], kwargs: dict[str, Any]) -> dic
 def _status_and_errors(call: CallQueue, attempts: list[Attempt]) -> tuple[TaskResultStatus, list[TaskError]]:
     """Map the call's status and attempt history to the task's status and errors."""
     errors = []
-    failed = [a for a in attempts if a.outcome in ("error", "failed", "lost")]
+    failed = [a for a in attempts if a.outcome in (Outcome.ERROR, Outcome.FAILED, Outcome.LOST)]
     for attempt in failed:
         last = attempt is failed[-1]
         trace = call.last_traceback if last and call.last_traceback else attempt.error
         errors.append(TaskError(exception_class_path=exception_path(attempt.error, trace), traceback=trace))
     status = call.status
-    if status == "done":
+    if status == Status.DONE:
         return TaskResultStatus.SUCCESSFUL, errors
-    if status == "running":
+    if status == Status.RUNNING:
         return TaskResultStatus.RUNNING, errors
-    if status == "cancelled":
+    if status == Status.CANCELLED:
         path = f"{TaskCancelled.__module__}.{TaskCancelled.__qualname__}"
         return TaskResultStatus.FAILED, [*errors, TaskError(exception_class_path=path, traceback="cancelled")]
-    if status == "failed":
+    if status == Status.FAILED:
         if not errors:  # failed without a failed attempt of its own, e.g. too many 429 deferrals
             errors.append(TaskError(
                 exception_class_path=exception_path(call.last_error, call.last_traceback),

@@ -191,7 +191,10 @@ class Hold(enum.StrEnum):
 
     PAUSED = "paused"
     CONCURRENCY = "concurrency"
+    # A configured policy (window or bucket) has no room for the call.
     RATE = "rate"
+    # A limit the API announced (dispatcher.learning) has no room for the call.
+    LEARNT = "learnt"
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,10 @@ def check_key(
             verdicts.append(Verdict(room=room, key=key))
             continue
         until = policy.frees_at(reading, now, cost, reserved_units)
-        verdicts.append(Verdict(room=0, until=until, reason=f"{policy.label()} used", key=key, kind=Hold.RATE))
+        learnt = any(policy is p for p in policies.learnt.get(key, ()))
+        verdicts.append(Verdict(
+            room=0, until=until, reason=f"{policy.label()} used", key=key, kind=Hold.LEARNT if learnt else Hold.RATE,
+        ))
     return combine(verdicts)
 
 

@@ -144,16 +144,16 @@ def read(now: datetime | None = None) -> Liveness:
 
 def stall(call: CallQueue, state: Liveness) -> str:
     """Say what keeps a waiting or dispatched call from moving when a process is missing, or ''."""
-    if call.status == "pending":
+    if call.status == CallQueue.Status.PENDING:
         return state.problem(DISPENSER)
-    if call.status == "dispatched" and call.dispatched_at is not None:
+    if call.status == CallQueue.Status.DISPATCHED and call.dispatched_at is not None:
         age = state.now - call.dispatched_at
         if age < state.timeout:
             return ""
         text = f"dispatched {humanize_duration(age)} ago, no worker has picked it up"
         problem = state.problem(WORKER)
         return f"{text}; {problem}" if problem else text
-    if call.status == "running":
+    if call.status == CallQueue.Status.RUNNING:
         problem = state.problem(WORKER)
         return f"running, but {problem}" if problem else ""
     return ""

@@ -26,6 +26,7 @@ from dispatcher.keys import is_pattern, key_set, parse_key_set, read_key_set, re
 from dispatcher.policies import validate as validate_shape
 from dispatcher.registry import get_handler
 from dispatcher.retry import RetryPolicy
+from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
 from dispatcher.validation import OutOfBounds, check_json, check_moment
 
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatcher")
 
-# Plain strings (the values of CallQueue.Status): raw SQL parameters must not be enum members.
-PENDING, DISPATCHED, RUNNING = Status.PENDING.value, Status.DISPATCHED.value, Status.RUNNING.value
-DONE, FAILED, CANCELLED = Status.DONE.value, Status.FAILED.value, Status.CANCELLED.value
 INT32_MAX = 2**31 - 1
 MAX_ERROR_CHARS = 10_000
 # How long a start may wait for its slot while holding its keys' locks (see start()).
@@ -269,19 +267,19 @@ class CallQueueQuerySet(models.QuerySet):
     """Calls filtered by state."""
 
     def pending(self) -> CallQueueQuerySet:
-        return self.filter(status=PENDING)
+        return self.filter(status=Status.PENDING)
 
     def in_flight(self) -> CallQueueQuerySet:
-        return self.filter(status__in=[DISPATCHED, RUNNING])
+        return self.filter(status__in=[Status.DISPATCHED, Status.RUNNING])
 
     def finished(self) -> CallQueueQuerySet:
-        return self.filter(status__in=[DONE, FAILED, CANCELLED])
+        return self.filter(status__in=[Status.DONE, Status.FAILED, Status.CANCELLED])
 
     def waiting_retry(self) -> CallQueueQuerySet:
-        return self.filter(status=PENDING, attempts__gt=0)
+        return self.filter(status=Status.PENDING, attempts__gt=0)
 
     def due(self, now: datetime) -> CallQueueQuerySet:
-        return self.filter(status=PENDING, run_at__lte=now)
+        return self.filter(status=Status.PENDING, run_at__lte=now)
 
 
 class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type: ignore[misc]
@@ -306,7 +304,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
             max_attempts=max_attempts, queue=queue, cost=cost,
         )
-        return self.model(**call.fields(PENDING))
+        return self.model(**call.fields(Status.PENDING))
 
     def send(
         self,
@@ -331,8 +329,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
         db_connection = connections[self.db]
         if db_connection.vendor == "postgresql":
-            return insert_one(self.model, self.db, db_connection, call, PENDING)
-        row = self.model(**call.fields(PENDING))
+            return insert_one(self.model, self.db, db_connection, call, Status.PENDING)
+        row = self.model(**call.fields(Status.PENDING))
         row.save(force_insert=True, using=self.db)
         return row
 
@@ -357,8 +355,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         db_connection = connections[self.db]
         if db_connection.vendor == "postgresql":
             # One statement: every row is stored or none, without a transaction of its own.
-            return insert_many(self.model, self.db, db_connection, cleaned, PENDING)
-        return _bulk_create_whole(self, [self.model(**call.fields(PENDING)) for call in cleaned])
+            return insert_many(self.model, self.db, db_connection, cleaned, Status.PENDING)
+        return _bulk_create_whole(self, [self.model(**call.fields(Status.PENDING)) for call in cleaned])
 
     # --- dispense ------------------------------------------------------------------------
 
@@ -388,7 +386,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 parsed[text] = read_key_set(text)
             except InvalidKey as exc:
                 # A row written by hand: its keys cannot be limited, so its calls cannot run.
-                self._fail_unreadable(self.filter(status=PENDING, key_set=text), str(exc))
+                self._fail_unreadable(self.filter(status=Status.PENDING, key_set=text), str(exc))
                 result.verdicts[text] = limiter.Verdict(room=0, reason=str(exc))
         all_keys = sorted({key for keys in parsed.values() for key in keys})
         # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
@@ -444,7 +442,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         reserved[key] = reserved.get(key, 0) + 1
                         reserved_units[key] = reserved_units.get(key, 0) + row.units(key)
                 if returned:
-                    self.filter(id__in=returned).update(status=PENDING, dispatched_at=None)
+                    self.filter(id__in=returned).update(status=Status.PENDING, dispatched_at=None)
                 result.calls.extend(kept)
                 budget -= len(kept)
                 # Only a key set that filled its share may have more waiting.
@@ -472,7 +470,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     def _fail_unreadable(self, calls: CallQueueQuerySet, problem: str) -> int:
         """Mark calls whose stored row cannot be read failed, saying why, so they stop no pass or sweep."""
         failed = calls.update(
-            status=FAILED, dispatched_at=None, finished_at=db_now(self.db), last_error=f"unreadable row: {problem}"
+            status=Status.FAILED, dispatched_at=None, finished_at=db_now(self.db), last_error=f"unreadable row: {problem}"
         )
         log.error("unreadable_calls failed=%s error=%r", failed, problem)
         return failed
@@ -484,14 +482,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         claimed = []
         for text, wanted in asks.items():
             rows = list(
-                self.filter(status=PENDING, key_set=text, run_at__lte=now)
+                self.filter(status=Status.PENDING, key_set=text, run_at__lte=now)
                 .order_by("-priority", "id")
                 .select_for_update(skip_locked=True)
                 .values_list("id", "dispatch_no", "queue", "priority", "cost")[:wanted]
             )
             if rows:
                 self.filter(id__in=[r[0] for r in rows]).update(
-                    status=DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
+                    status=Status.DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
                 )
             claimed += [
                 Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p, cost=c) for i, n, q, p, c in rows
@@ -501,7 +499,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Select and mark the due calls of every asking key set in one statement."""
         params = {
-            "dispatched": DISPATCHED, "pending": PENDING, "now": now,
+            "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
             "key_sets": list(asks), "wanted": list(asks.values()),
         }
         with connections[self.db].cursor() as cursor:
@@ -524,8 +522,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 won = 0
                 units = dict.fromkeys(keys, 0)
                 for call in group:
-                    if self.filter(id=call.id, status=DISPATCHED, dispatch_no=call.dispatch_no).update(
-                        status=PENDING, dispatched_at=None
+                    if self.filter(id=call.id, status=Status.DISPATCHED, dispatch_no=call.dispatch_no).update(
+                        status=Status.PENDING, dispatched_at=None
                     ):
                         won += 1
                         for key in keys:
@@ -536,7 +534,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def next_due_at(self, now: datetime) -> datetime | None:
         """Return when the earliest call that is not yet due becomes due."""
-        return self.filter(status=PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()
+        return self.filter(status=Status.PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()
 
     # --- worker --------------------------------------------------------------------------
 
@@ -555,7 +553,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             head = cursor.fetchone()
         if head is None:
             return Started("stale", reason="no such call")
-        if head[1] != DISPATCHED or head[2] != dispatch_no:
+        if head[1] != Status.DISPATCHED or head[2] != dispatch_no:
             return Started("stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
         keys = parse_key_set(head[0])
         cost = _json_value(head[3]) or {}
@@ -586,8 +584,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
                 if verdict.blocked:
                     until = verdict.until or now + timedelta(seconds=1)
-                    deferred = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
-                        status=PENDING, dispatched_at=None, run_at=until
+                    deferred = self.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
+                        status=Status.PENDING, dispatched_at=None, run_at=until
                     )
                     if not deferred:
                         return Started("stale", reason="claimed by another delivery")
@@ -610,8 +608,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record = record or limiter.StartRecord()
         if connections[self.db].vendor == "postgresql":
             return self._mark_running_returning(call_id, dispatch_no, keys, now, worker, record)
-        won = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
-            status=RUNNING, started_at=now, attempts=F("attempts") + 1
+        won = self.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
+            status=Status.RUNNING, started_at=now, attempts=F("attempts") + 1
         )
         if not won:
             return None
@@ -632,7 +630,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> tuple[CallQueue, Attempt] | None:
         """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
         params = {
-            "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
+            "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
             "log_keys": [k for k, _, _ in record.log], "log_units": [u for _, u, _ in record.log],
             "log_cums": [c for _, _, c in record.log],
@@ -668,7 +666,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 limiter.lock_keys(keys, using=self.db)
                 now = db_now(self.db)
                 changes, wake = self._finish_changes(changes, now, keys, wake)
-                won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
+                won = bool(self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
                     tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
                     limiter.adjust(keys, running=-1, using=self.db)
@@ -686,7 +684,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """Resolve the changes that depend on the finish time; say whether to wake dispensers."""
         changes = {k: (v(now) if callable(v) else v) for k, v in changes.items()}
         # Wake dispensers when the call waits again, or when it may free a concurrency slot.
-        return changes, changes.get("status") == PENDING or (wake and bool(keys))
+        return changes, changes.get("status") == Status.PENDING or (wake and bool(keys))
 
     def _finish_returning(
         self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
@@ -696,7 +694,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         db = connections[self.db]
         values = [self.model._meta.get_field(name).get_db_prep_save(value, db) for name, value in changes.items()]
         params = [
-            keys, *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
+            keys, *values, call.id, Status.RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
             limiter.WAKE_CHANNEL, wake,
         ]
         with db.cursor() as cursor:
@@ -706,7 +704,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     def finish_done(self, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True) -> bool:
         """Record a successful attempt and its result; ``wake=False`` when no key has a concurrency cap."""
         return self._finish(
-            call, attempt, "done", "", wake=wake, status=DONE, result=result, finished_at=lambda now: now, last_error=""
+            call, attempt, Outcome.DONE, "", wake=wake, status=Status.DONE, result=result, finished_at=lambda now: now, last_error=""
         )
 
     def finish_error(
@@ -716,13 +714,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         error = error[:MAX_ERROR_CHARS]
         if permanent or call.attempts >= call.max_attempts:
             return self._finish(
-                call, attempt, "failed" if permanent else "error", error, wake=wake,
-                status=FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
+                call, attempt, Outcome.FAILED if permanent else Outcome.ERROR, error, wake=wake,
+                status=Status.FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
             )
         delay = RetryPolicy.from_settings().delay(call.attempts)
         return self._finish(
-            call, attempt, "error", error, wake=wake,
-            status=PENDING, run_at=lambda now: now + delay, dispatched_at=None,
+            call, attempt, Outcome.ERROR, error, wake=wake,
+            status=Status.PENDING, run_at=lambda now: now + delay, dispatched_at=None,
             last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
         )
 
@@ -743,14 +741,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             until = now + wait
             fields: dict[str, Any] = {"deferrals": F("deferrals") + 1, "attempts": F("attempts") - 1, "last_error": error}
             if gives_up:
-                fields.update(status=FAILED, finished_at=now, last_error=f"{error} (gave up after {call.deferrals + 1} deferrals)")
+                fields.update(status=Status.FAILED, finished_at=now, last_error=f"{error} (gave up after {call.deferrals + 1} deferrals)")
             else:
-                fields.update(status=PENDING, run_at=until, dispatched_at=None)
-            won = self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**fields)
+                fields.update(status=Status.PENDING, run_at=until, dispatched_at=None)
+            won = self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**fields)
             if not won:
                 log.warning("finish_lost call=%s attempt=%s outcome=rate_limited", call.id, attempt.number)
                 return False
-            tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
+            tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=Outcome.RATE_LIMITED, error=error[:MAX_ERROR_CHARS])
             limiter.pause(paused, until, reason=f"429 from call #{call.id}", using=self.db)
             limiter.adjust(keys, running=-1, using=self.db)
         return True
@@ -805,7 +803,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         run_cutoff = now - dispatcher_settings.RUN_TIMEOUT
         stuck = list(
             self.filter(
-                Q(status=DISPATCHED, dispatched_at__lt=dispatch_cutoff) | Q(status=RUNNING, started_at__lt=run_cutoff)
+                Q(status=Status.DISPATCHED, dispatched_at__lt=dispatch_cutoff) | Q(status=Status.RUNNING, started_at__lt=run_cutoff)
             )
             .order_by("id")
             .values_list("id", "key_set")[:batch]
@@ -816,7 +814,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             try:
                 keys = read_key_set(text)
             except InvalidKey as exc:
-                if self._fail_unreadable(self.filter(id=call_id, status__in=[DISPATCHED, RUNNING]), str(exc)):
+                if self._fail_unreadable(self.filter(id=call_id, status__in=[Status.DISPATCHED, Status.RUNNING]), str(exc)):
                     report.failed += 1
                     report.ids.append(call_id)
                 continue
@@ -825,12 +823,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             except Exception:
                 log.exception("rescue_skipped id=%s", call_id)
                 continue
-            if outcome == "dispatched":
+            if outcome == Status.DISPATCHED:
                 report.dispatched += 1
             elif outcome:
                 # A lost run counts as rescued, and as failed too when it was the last attempt.
                 report.running += 1
-                report.failed += outcome == "failed"
+                report.failed += outcome == Status.FAILED
             if outcome:
                 report.ids.append(call_id)
         return report
@@ -845,25 +843,25 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if call is None:
                 return ""
             now = db_now(self.db)
-            if call.status == DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
+            if call.status == Status.DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
                 # Claimed but never started: the message was lost; no attempt was spent.
-                self.filter(id=call_id).update(status=PENDING, dispatched_at=None)
+                self.filter(id=call_id).update(status=Status.PENDING, dispatched_at=None)
                 limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys}, using=self.db)
-                outcome = "dispatched"
-            elif call.status == RUNNING and call.started_at and call.started_at < run_cutoff:
+                outcome = Status.DISPATCHED
+            elif call.status == Status.RUNNING and call.started_at and call.started_at < run_cutoff:
                 # Started but never finished: the worker died; the attempt counts.
                 error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
-                tables.Attempt.objects.using(self.db).filter(call_id=call_id, outcome="running").update(
-                    outcome="lost", finished_at=now, error=error
+                tables.Attempt.objects.using(self.db).filter(call_id=call_id, outcome=Outcome.RUNNING).update(
+                    outcome=Outcome.LOST, finished_at=now, error=error
                 )
                 if call.attempts >= call.max_attempts:
-                    self.filter(id=call_id).update(status=FAILED, finished_at=now, last_error=error)
-                    outcome = "failed"
+                    self.filter(id=call_id).update(status=Status.FAILED, finished_at=now, last_error=error)
+                    outcome = Status.FAILED
                 else:
                     self.filter(id=call_id).update(
-                        status=PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
+                        status=Status.PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
                     )
-                    outcome = "running"
+                    outcome = Status.RUNNING
                 limiter.adjust(keys, running=-1, using=self.db)
             else:
                 return ""
@@ -930,9 +928,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         ids = list(ids)
         with transaction.atomic(using=self.db):
             now = db_now(self.db)
-            waiting = self.filter(id__in=ids, status=PENDING).update(run_at=now)
-            failed = self.filter(id__in=ids, status=FAILED).update(
-                status=PENDING, run_at=now, finished_at=None,
+            waiting = self.filter(id__in=ids, status=Status.PENDING).update(run_at=now)
+            failed = self.filter(id__in=ids, status=Status.FAILED).update(
+                status=Status.PENDING, run_at=now, finished_at=None,
                 max_attempts=models.Case(
                     models.When(attempts__gte=F("max_attempts"), then=F("attempts") + 1),
                     default=F("max_attempts"),
@@ -946,7 +944,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """Cancel waiting calls; calls in flight or finished are left alone."""
         with transaction.atomic(using=self.db):
             now = db_now(self.db)
-            return self.filter(id__in=list(ids), status=PENDING).update(status=CANCELLED, finished_at=now)
+            return self.filter(id__in=list(ids), status=Status.PENDING).update(status=Status.CANCELLED, finished_at=now)
 
 
 class RateLimitManager(models.Manager):

@@ -9,7 +9,7 @@ from django.db.models.functions import Now
 
 from dispatcher.managers import CallQueueManager, RateLimitManager
 from dispatcher.policies import Policy, make_policy
-from dispatcher.states import CallStatus
+from dispatcher.states import AttemptOutcome, CallStatus
 from dispatcher.validation import StoredJSONDecoder
 
 
@@ -54,29 +54,29 @@ class CallQueue(models.Model):
             # The dispenser's scan: waiting calls of one key set, most urgent first.
             models.Index(
                 fields=["key_set", "-priority", "id"],
-                condition=Q(status="pending"),
+                condition=Q(status=CallStatus.PENDING),
                 name="dispatcher_call_waiting_idx",
             ),
             models.Index(
-                fields=["run_at"], condition=Q(status="pending"), name="dispatcher_call_run_at_idx"
+                fields=["run_at"], condition=Q(status=CallStatus.PENDING), name="dispatcher_call_run_at_idx"
             ),
             # The rescue sweep: calls in flight, oldest first.
             models.Index(
                 fields=["status", "dispatched_at"],
-                condition=Q(status__in=["dispatched", "running"]),
+                condition=Q(status__in=[CallStatus.DISPATCHED, CallStatus.RUNNING]),
                 name="dispatcher_call_inflight_idx",
             ),
             # Retention cleanup: finished calls by age.
             models.Index(
                 fields=["finished_at"],
-                condition=Q(status__in=["done", "failed", "cancelled"]),
+                condition=Q(status__in=[CallStatus.DONE, CallStatus.FAILED, CallStatus.CANCELLED]),
                 name="dispatcher_call_finished_idx",
             ),
             models.Index(fields=["status", "method"], name="dispatcher_call_status_idx"),
         ]
         constraints = [
             models.CheckConstraint(
-                condition=Q(status__in=["pending", "dispatched", "running", "done", "failed", "cancelled"]),
+                condition=Q(status__in=CallStatus.values),
                 name="dispatcher_call_status_valid",
             ),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="dispatcher_call_max_attempts_gte_1"),
@@ -98,13 +98,7 @@ class CallQueue(models.Model):
 class Attempt(models.Model):
     """One start of a call by a worker; append-only history shown in the admin."""
 
-    class Outcome(models.TextChoices):
-        RUNNING = "running", "Running"
-        DONE = "done", "Done"
-        ERROR = "error", "Error (retryable)"
-        FAILED = "failed", "Failed (permanent)"
-        RATE_LIMITED = "rate_limited", "Rate limited (429)"
-        LOST = "lost", "Lost (rescued)"
+    Outcome = AttemptOutcome
 
     call = models.ForeignKey(CallQueue, on_delete=models.CASCADE, related_name="attempt_set")
     number = models.PositiveIntegerField(help_text="Which attempt of the call this is, from 1.")

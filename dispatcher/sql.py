@@ -298,7 +298,7 @@ def mark_running() -> str:
     })
     attempt_columns, attempt_values = _insert("Attempt", {
         "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "%(now)s",
-        "outcome": "%(running)s", "error": "''", "worker": "%(worker)s",
+        "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
     })
     log_columns, log_values = _insert("KeyStart", {
         "key": "log.key", "started_at": "%(now)s", "units": "log.units", "cum": "log.cum", "call_id": "started.id",

@@ -1,4 +1,5 @@
-"""A call's states, in a module of their own so the managers can use them without importing the models."""
+"""A call's states and an attempt's outcomes, in a module of their own so that the modules below the
+models (managers, limiter, sql) use them without importing the models."""
 from __future__ import annotations
 
 from django.db import models
@@ -19,3 +20,20 @@ class CallStatus(models.TextChoices):
     FAILED = "failed", "Failed"
     # Cancelled before it ran.
     CANCELLED = "cancelled", "Cancelled"
+
+
+class AttemptOutcome(models.TextChoices):
+    """How one attempt of a call ended; ``Attempt.Outcome``."""
+
+    # Started and not finished yet.
+    RUNNING = "running", "Running"
+    # The handler returned.
+    DONE = "done", "Done"
+    # The handler raised; the call retries while attempts remain.
+    ERROR = "error", "Error (retryable)"
+    # The handler raised a permanent error; the call failed.
+    FAILED = "failed", "Failed (permanent)"
+    # A 429: the call waits again and the attempt is refunded.
+    RATE_LIMITED = "rate_limited", "Rate limited (429)"
+    # No outcome within DISPATCHER_RUN_TIMEOUT: the rescue sweep ended it.
+    LOST = "lost", "Lost (rescued)"

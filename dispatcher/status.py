@@ -387,8 +387,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
             ))
         else:
             frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
-            learnt = {f"{p.label()} used" for p in policies.learnt.get(key, ())}
-            source = " (a limit the API announced)" if verdict.reason in learnt else ""
+            source = " (a limit the API announced)" if verdict.kind == limiter.Hold.LEARNT else ""
             reasons.append(WaitReason(WaitKind.RATE, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
@@ -440,7 +439,7 @@ def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list
     since = now - span
     found: dict[str, KeyFailures] = {}
     errors = (
-        Attempt.objects.filter(finished_at__gte=since, outcome__in=["error", "failed", "lost"])
+        Attempt.objects.filter(finished_at__gte=since, outcome__in=[Attempt.Outcome.ERROR, Attempt.Outcome.FAILED, Attempt.Outcome.LOST])
         .values("call__key_set").annotate(n=Count("id"), last=Max("id")).order_by()
     )
     for row in errors:
@@ -449,7 +448,7 @@ def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list
             item.errors += row["n"]
             item.latest_id = max(item.latest_id, row["last"])
     failed = (
-        CallQueue.objects.filter(status="failed", finished_at__gte=since)
+        CallQueue.objects.filter(status=CallQueue.Status.FAILED, finished_at__gte=since)
         .values("key_set").annotate(n=Count("id")).order_by()
     )
     for row in failed:

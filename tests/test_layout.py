@@ -115,3 +115,27 @@ def test_no_statement_runs_on_the_default_connection():
                 if any(alias.name == "connection" for alias in node.names):
                     importers.add(name)
     assert importers == {"dispatcher.tasks", "dispatcher.liveness"}
+
+
+def test_states_and_outcomes_are_named_by_their_enums_not_by_literals():
+    """``CallQueue.Status`` / ``Attempt.Outcome`` (dispatcher.states), never ``"pending"`` in a comparison or filter."""
+    from dispatcher.states import AttemptOutcome, CallStatus
+
+    values = set(CallStatus.values) | set(AttemptOutcome.values)
+
+    def literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in values
+        return isinstance(node, ast.List | ast.Tuple | ast.Set) and any(literal(e) for e in node.elts)
+
+    found = []
+    for name, tree in _modules().items():
+        if name == "dispatcher.states":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(literal(c) for c in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.keyword) and node.arg in {"status", "status__in", "outcome", "outcome__in"}:
+                if literal(node.value):
+                    found.append(f"{name}:{node.value.lineno}")
+    assert found == []

@@ -10,7 +10,7 @@ from dispatcher.clock import db_now
 from dispatcher.models import CallQueue
 from dispatcher.status import format_moment
 
-STATUSES = ("pending", "dispatched", "running", "done", "failed", "cancelled")
+STATUSES = tuple(CallQueue.Status.values)
 MAX_LIMIT = 10_000
 
 

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.durations import humanize, humanize_duration, parse_positive_duration
+from dispatcher.states import CallStatus as Status
 
 MAX_WATCH_ROUNDS = 100_000
 
@@ -60,9 +61,9 @@ class Command(BaseCommand):
         lines += [f"{'WARNING: ' if state.problem(kind) else ''}{state.summary(kind)}"
                   for kind in (liveness.DISPENSER, liveness.WORKER)]
         lines.append(
-            f"calls: {totals['pending']} waiting, {totals['dispatched'] + totals['running']} in flight "
-            f"({totals['dispatched']} dispatched, {totals['running']} running), {totals['done']} done, "
-            f"{totals['failed']} failed, {totals['cancelled']} cancelled"
+            f"calls: {totals[Status.PENDING]} waiting, {totals[Status.DISPATCHED] + totals[Status.RUNNING]} in flight "
+            f"({totals[Status.DISPATCHED]} dispatched, {totals[Status.RUNNING]} running), {totals[Status.DONE]} done, "
+            f"{totals[Status.FAILED]} failed, {totals[Status.CANCELLED]} cancelled"
         )
         failure_lines = ["", "failures in the last hour, by key:"] if failures else []
         for f in failures:
