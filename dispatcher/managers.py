@@ -283,7 +283,18 @@ class CallQueueQuerySet(models.QuerySet):
 
 
 class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type: ignore[misc]
-    """Enqueue, claim, start, finish, rescue and cancel calls."""
+    """Enqueue, claim, start, finish, rescue and cancel calls.
+
+    Where PostgreSQL takes a statement of its own (``dispatcher.sql``), the operation has two
+    methods side by side, ``_x_postgresql`` and ``_x_portable`` (the ORM's, for every database),
+    and ``_x`` chooses; tests/test_paths.py runs both on PostgreSQL and compares the rows they leave.
+    """
+
+    # True: take the portable path on PostgreSQL too (the test that compares both paths sets it).
+    portable_only = False
+
+    def _on_postgresql(self) -> bool:
+        return connections[self.db].vendor == "postgresql" and not self.portable_only
 
     # --- enqueue -------------------------------------------------------------------------
 
@@ -327,9 +338,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
             max_attempts=max_attempts, queue=queue, cost=cost,
         )
-        db_connection = connections[self.db]
-        if db_connection.vendor == "postgresql":
-            return insert_one(self.model, self.db, db_connection, call, Status.PENDING)
+        if self._on_postgresql():
+            return insert_one(self.model, self.db, connections[self.db], call, Status.PENDING)
         row = self.model(**call.fields(Status.PENDING))
         row.save(force_insert=True, using=self.db)
         return row
@@ -352,10 +362,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 raise type(exc)(f"call {index}: {exc}") from exc
         if not cleaned:
             return []
-        db_connection = connections[self.db]
-        if db_connection.vendor == "postgresql":
+        if self._on_postgresql():
             # One statement: every row is stored or none, without a transaction of its own.
-            return insert_many(self.model, self.db, db_connection, cleaned, Status.PENDING)
+            return insert_many(self.model, self.db, connections[self.db], cleaned, Status.PENDING)
         return _bulk_create_whole(self, [self.model(**call.fields(Status.PENDING)) for call in cleaned])
 
     # --- dispense ------------------------------------------------------------------------
@@ -477,8 +486,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _claim_rows(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
-        if connections[self.db].vendor == "postgresql":
-            return self._claim_rows_returning(asks, now)
+        if self._on_postgresql():
+            return self._claim_rows_postgresql(asks, now)
+        return self._claim_rows_portable(asks, now)
+
+    def _claim_rows_portable(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
+        """Per key set: select the due rows (skipping locked ones), then mark them, through the ORM."""
         claimed = []
         for text, wanted in asks.items():
             rows = list(
@@ -496,8 +509,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             ]
         return claimed
 
-    def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
-        """Select and mark the due calls of every asking key set in one statement."""
+    def _claim_rows_postgresql(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
+        """Select and mark the due calls of every asking key set in one statement (``sql.claim_due``)."""
         params = {
             "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
             "key_sets": list(asks), "wanted": list(asks.values()),
@@ -606,8 +619,15 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> tuple[CallQueue, Attempt] | None:
         """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
         record = record or limiter.StartRecord()
-        if connections[self.db].vendor == "postgresql":
-            return self._mark_running_returning(call_id, dispatch_no, keys, now, worker, record)
+        if self._on_postgresql():
+            return self._mark_running_postgresql(call_id, dispatch_no, keys, now, worker, record)
+        return self._mark_running_portable(call_id, dispatch_no, keys, now, worker, record)
+
+    def _mark_running_portable(
+        self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
+        record: limiter.StartRecord,
+    ) -> tuple[CallQueue, Attempt] | None:
+        """The guarded update, then the call read back, its attempt, the start log and buckets, the counters."""
         won = self.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
             status=Status.RUNNING, started_at=now, attempts=F("attempts") + 1
         )
@@ -624,11 +644,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
         return call, attempt
 
-    def _mark_running_returning(
+    def _mark_running_postgresql(
         self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
         record: limiter.StartRecord,
     ) -> tuple[CallQueue, Attempt] | None:
-        """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
+        """The same as one statement (``sql.mark_running``)."""
         params = {
             "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
@@ -652,26 +672,10 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> bool:
         keys = parse_key_set(call.key_set)
         error = error[:MAX_ERROR_CHARS]
-        if connections[self.db].vendor == "postgresql":
-            # One statement, atomic by itself, that also locks the key rows (in key order). Its
-            # call row may be locked before them, the reverse of a start; only a rescue of this
-            # very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first
-            # start takes both the other way, and then PostgreSQL ends one of the two: a finish
-            # is retried by the worker, a duplicate start does nothing.
-            now = db_now(self.db)
-            changes, wake = self._finish_changes(changes, now, keys, wake)
-            won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
+        if self._on_postgresql():
+            won = self._finish_postgresql(call, attempt.id, keys, outcome, error, changes, wake)
         else:
-            with transaction.atomic(using=self.db):
-                limiter.lock_keys(keys, using=self.db)
-                now = db_now(self.db)
-                changes, wake = self._finish_changes(changes, now, keys, wake)
-                won = bool(self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**changes))
-                if won:
-                    tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
-                    limiter.adjust(keys, running=-1, using=self.db)
-                    if wake:
-                        limiter.wake_dispensers(using=self.db)
+            won = self._finish_portable(call, attempt.id, keys, outcome, error, changes, wake)
         if not won:
             # Rescued while it ran (the run took longer than DISPATCHER_RUN_TIMEOUT).
             log.warning("finish_lost call=%s attempt=%s outcome=%s", call.id, attempt.number, outcome)
@@ -686,11 +690,38 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         # Wake dispensers when the call waits again, or when it may free a concurrency slot.
         return changes, changes.get("status") == Status.PENDING or (wake and bool(keys))
 
-    def _finish_returning(
-        self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
+    def _finish_portable(
+        self, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
         changes: dict[str, Any], wake: bool,
     ) -> bool:
-        """Record the finish in one statement: the guarded update, the attempt, the counters, the wake-up."""
+        """Under the keys' locks: the guarded update, the attempt, the counters, the wake-up."""
+        with transaction.atomic(using=self.db):
+            limiter.lock_keys(keys, using=self.db)
+            now = db_now(self.db)
+            changes, wake = self._finish_changes(changes, now, keys, wake)
+            won = bool(self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**changes))
+            if won:
+                tables.Attempt.objects.using(self.db).filter(id=attempt_id).update(
+                    finished_at=now, outcome=outcome, error=error
+                )
+                limiter.adjust(keys, running=-1, using=self.db)
+                if wake:
+                    limiter.wake_dispensers(using=self.db)
+        return won
+
+    def _finish_postgresql(
+        self, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
+        changes: dict[str, Any], wake: bool,
+    ) -> bool:
+        """The same in one statement (``sql.finish``), atomic by itself, that also locks the key rows.
+
+        Its call row may be locked before them, the reverse of a start; only a rescue of this
+        very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first start
+        takes both the other way, and then PostgreSQL ends one of the two: a finish is retried
+        by the worker, a duplicate start does nothing.
+        """
+        now = db_now(self.db)
+        changes, wake = self._finish_changes(changes, now, keys, wake)
         db = connections[self.db]
         values = [self.model._meta.get_field(name).get_db_prep_save(value, db) for name, value in changes.items()]
         params = [

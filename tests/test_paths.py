@@ -1,0 +1,123 @@
+"""PostgreSQL's statements and the portable ORM path leave the same rows.
+
+Where PostgreSQL takes a statement of its own (send, send_many, the claim, the start, the
+finish: ``CallQueueManager._x_postgresql`` beside ``_x_portable``), the SQLite pass of the
+suite runs only the portable path. Here one scenario runs on PostgreSQL twice, once as it
+ships and once with ``portable_only`` forcing the ORM path, on the same clock, and the calls,
+attempts, start log, key counters and bucket state it leaves must be the same.
+"""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+import dispatcher.limiter
+import dispatcher.managers
+from dispatcher import limiter
+from dispatcher.managers import CallQueueManager
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
+
+NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def fixed_clock(monkeypatch, settings):
+    settings.DISPATCHER_RETRY_JITTER = 0
+    clock = lambda using=None: NOW  # noqa: E731
+    monkeypatch.setattr(dispatcher.managers, "db_now", clock)
+    monkeypatch.setattr(dispatcher.limiter, "db_now", clock)
+    monkeypatch.setattr(limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
+
+
+def _scenario() -> list[str]:
+    """Send, claim, start and finish calls of a window key and a bucket key; return what each start said."""
+    calls = CallQueue.objects
+    RateLimit.objects.set_policy("paths-window", 4, timedelta(minutes=1), concurrency=3)
+    RateLimit.objects.set_policy("paths-bucket", 3, timedelta(minutes=1), burst=3)
+    due = NOW - timedelta(seconds=1)
+    calls.send("noop", {"n": 1}, keys=["paths-window"], run_at=due)
+    calls.send("noop", {"n": 2}, keys=["paths-bucket", "paths-window"], run_at=due, cost={"paths-bucket": 2})
+    calls.send_many([
+        {"method": "noop", "params": {"n": 3}, "keys": ["paths-bucket"], "run_at": due},
+        {"method": "noop", "params": {"n": 4}, "keys": ["paths-window"], "run_at": due, "priority": 5},
+        {"method": "noop", "params": {"n": 5}, "keys": ["paths-window"], "run_at": due, "max_attempts": 1},
+        {"method": "noop", "params": {"n": 6}, "keys": ["paths-bucket"], "run_at": due},
+    ])
+    said = []
+    finishes = [
+        lambda s: calls.finish_done(s.call, s.attempt, {"ok": s.call.params["n"]}),
+        lambda s: calls.finish_error(s.call, s.attempt, "boom", "Traceback: boom", permanent=False),
+        lambda s: calls.finish_error(s.call, s.attempt, "bad input", "Traceback: bad", permanent=True),
+        lambda s: None,  # left running
+    ]
+    for round_ in range(2):
+        claimed = calls.claim_batch(calls.waiting_key_sets(), 10, limiter.Policies.load()).calls
+        for index, claim in enumerate(sorted(claimed, key=lambda c: c.id)):
+            started = calls.start(claim.id, claim.dispatch_no)
+            said.append(f"{round_}:{started.state}:{started.reason}")
+            if started.state == "started":
+                finishes[index % len(finishes)](started)
+    return said
+
+
+def _rows() -> dict[str, Any]:
+    """The rows the scenario left, with call ids replaced by the calls' order of sending."""
+    order = {pk: n for n, pk in enumerate(CallQueue.objects.order_by("id").values_list("id", flat=True))}
+    return {
+        "calls": [
+            {**row, "id": order[row["id"]]}
+            for row in CallQueue.objects.order_by("id").values(
+                "id", "method", "params", "keys", "key_set", "priority", "queue", "status", "run_at", "attempts",
+                "max_attempts", "deferrals", "dispatch_no", "dispatched_at", "started_at", "finished_at", "result",
+                "last_error", "last_traceback", "cost",
+            )
+        ],
+        "attempts": sorted(
+            (order[a["call_id"]], a["number"], a["outcome"], a["error"], a["started_at"], a["finished_at"], a["worker"])
+            for a in Attempt.objects.values("call_id", "number", "outcome", "error", "started_at", "finished_at", "worker")
+        ),
+        "start log": sorted(
+            (s["key"], s["started_at"], s["units"], s["cum"], order[s["call_id"]])
+            for s in KeyStart.objects.values("key", "started_at", "units", "cum", "call_id")
+        ),
+        "key states": list(KeyState.objects.order_by("key").values()),
+        "buckets": list(KeyBucket.objects.order_by("key", "period").values("key", "period", "tat_us", "since")),
+    }
+
+
+def _forget() -> None:
+    for model in (Attempt, CallQueue, KeyStart, KeyState, KeyBucket, RateLimit):
+        model.objects.all().delete()
+
+
+def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeypatch):
+    postgresql_said = _scenario()
+    postgresql_rows = _rows()
+    _forget()
+    monkeypatch.setattr(CallQueueManager, "portable_only", True)
+    portable_said = _scenario()
+    portable_rows = _rows()
+
+    assert portable_said == postgresql_said
+    for table, rows in postgresql_rows.items():
+        assert portable_rows[table] == rows, table
+    # The scenario reaches every outcome both paths write.
+    statuses = {row["status"] for row in postgresql_rows["calls"]}
+    assert statuses >= {CallQueue.Status.DONE, CallQueue.Status.PENDING, CallQueue.Status.FAILED, CallQueue.Status.RUNNING}
+    assert any(state.startswith("1:started") for state in postgresql_said)
+    assert postgresql_rows["buckets"] and postgresql_rows["start log"]
+
+
+def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
+    monkeypatch.setattr(CallQueueManager, "portable_only", True)
+    taken = []
+    for name in ("_claim_rows_postgresql", "_mark_running_postgresql", "_finish_postgresql"):
+        monkeypatch.setattr(CallQueueManager, name, lambda *a, name=name, **k: taken.append(name))
+    for name in ("insert_one", "insert_many"):
+        monkeypatch.setattr(dispatcher.managers, name, lambda *a, name=name, **k: taken.append(name))
+    _scenario()
+    assert taken == []
