@@ -5,8 +5,10 @@ say it (a loose index scan, data-modifying CTEs, ``FOR UPDATE SKIP LOCKED`` insi
 or where compiling its ORM form costs more than running it on a hot path (every claim, start and
 finish). Tables and columns come from the models' ``_meta``, never typed by hand, and the pieces
 several statements share (locking key rows in key order, the start log's arrays, a time as
-microseconds) are built once. Nearly all are PostgreSQL's: the managers take the ORM path on
-other databases (see ``managers.py``, where each operation's two paths sit side by side).
+microseconds) are built once. Most are PostgreSQL's, and the managers take the ORM path on
+other databases (``managers.py`` keeps each operation's two paths side by side);
+``call_head``, ``waiting_key_sets``, ``policy_readings`` and ``adjust_reserved`` are standard
+SQL that SQLite runs too.
 
 Each statement is a function returning its text, computed once per process (the models do not
 change after start-up); the caller runs it on ``connections[alias]`` with the alias its manager
