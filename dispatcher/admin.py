@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 import threading
 from datetime import UTC, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.utils import flatten
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Min, Q, QuerySet
@@ -27,9 +28,20 @@ from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.redact import redact, redact_text
 
+if TYPE_CHECKING:
+    from django.contrib.admin.options import _FieldGroups
+
 MAX_ID = 2**63 - 1
 # Search in params looks at this many of the newest calls whose stored params contain the text.
 PARAMS_SEARCH_CANDIDATES = 200
+
+
+def _log_change(request: HttpRequest, queryset: QuerySet, message: str) -> None:
+    """Leave admin history: who did what to which calls or policies, one entry per row."""
+    user_id = request.user.pk
+    if user_id is None:  # the admin's views let only a logged-in staff user this far
+        raise PermissionDenied
+    LogEntry.objects.log_actions(user_id, queryset, CHANGE, message)
 
 
 def _params_matching(queryset: QuerySet, term: str) -> list[int]:
@@ -90,7 +102,7 @@ class CallStateFilter(admin.SimpleListFilter):
         if value == "deferred":
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals__gt=0)
         if value == "in_flight":
-            return queryset.in_flight()
+            return queryset.filter(status__in=CallQueue.IN_FLIGHT)
         if value in {"dispatched", "running", "done", "failed", "cancelled"}:
             return queryset.filter(status=value)
         return queryset
@@ -109,7 +121,8 @@ class KeyFilter(admin.SimpleListFilter):
     def has_output(self) -> bool:
         return True
 
-    def choices(self, changelist: Any) -> list[dict[str, Any]]:
+    # The one choice is what key_filter.html reads (a typed key), not Django's (selected, query_string, display).
+    def choices(self, changelist: Any) -> list[dict[str, Any]]:  # type: ignore[override]
         others = [(k, v) for k, v in changelist.params.items() if k not in (self.parameter_name, "p")]
         return [{"value": self.value() or "", "others": others, "suggest": reverse("admin:dispatcher_callqueue_keys"),
                  "clear": changelist.get_query_string(remove=[self.parameter_name])}]
@@ -153,7 +166,7 @@ def known_keys(term: str, limit: int = 20) -> list[str]:
 _calls_page = threading.local()
 
 
-class ReadOnlyAdminMixin:
+class ReadOnlyAdminMixin(admin.ModelAdmin):
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -163,7 +176,7 @@ class ReadOnlyAdminMixin:
         return False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return list(self.fields or [])
+        return flatten(self.fields or [])
 
 
 @admin.register(CallQueue)
@@ -256,7 +269,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
     def _now(self) -> Any:
         return getattr(_calls_page, "now", None) or db_now()
 
-    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> _FieldGroups:
         fields = list(super().get_fields(request, obj))
         if obj is not None and obj.status in CallQueue.FINISHED:
             fields.remove("why_waiting")  # a finished call does not wait
@@ -417,10 +430,8 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         )
 
     def _log(self, request: HttpRequest, ids: list[int], message: str) -> None:
-        """Leave admin history: who did what to which calls or policies."""
         if ids:
-            LogEntry.objects.log_actions(request.user.pk, self.model.objects.filter(id__in=ids), CHANGE, message,
-                                         single_object=len(ids) == 1)
+            _log_change(request, self.model.objects.filter(id__in=ids), message)
 
     @admin.action(description="Retry now (failed calls get one more attempt)", permissions=["change"])
     def retry_now(self, request: HttpRequest, queryset: QuerySet) -> None:
@@ -512,7 +523,8 @@ class RateLimitForm(forms.ModelForm):
     def clean(self) -> dict[str, Any]:
         from dispatcher.policies import PolicyError, validate
 
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         if data.get("limit") is not None and data.get("period") is not None:
             try:
                 validate(data["limit"], data["period"], data.get("burst"), data.get("concurrency"))
@@ -575,8 +587,6 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def resume_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
         return self._button(request, policy_id, "resume")
 
-    def _log(self, request: HttpRequest, queryset: QuerySet, message: str) -> None:
-        LogEntry.objects.log_actions(request.user.pk, queryset, CHANGE, message, single_object=queryset.count() == 1)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
@@ -670,11 +680,11 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         if state is not None:
             until, reason = state.paused_until, state.pause_reason
         else:
-            pauses = [s for s in self._statuses(policy) if s.paused_until]
+            pauses = [(s.paused_until, s) for s in self._statuses(policy) if s.paused_until]
             if not pauses:
                 return "-"
-            latest = max(pauses, key=lambda s: s.paused_until)
-            until, reason, now = latest.paused_until, latest.pause_reason, latest.now
+            until, latest = max(pauses, key=lambda pause: pause[0])
+            reason, now = latest.pause_reason, latest.now
         source = live.pause_source(reason)
         detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
         return f"{live.format_moment(until, now)}, by {source}{detail}"
@@ -685,10 +695,11 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         blocked = [s for s in statuses if s.blocked]
         if not blocked:
             return getattr(_page, "free_now", "now")
-        if any(s.next_free_at is None for s in blocked):
+        frees = [(s.next_free_at, s.now) for s in blocked if s.next_free_at is not None]
+        if len(frees) < len(blocked):
             return "when a call in flight finishes"
-        latest = max(blocked, key=lambda s: s.next_free_at)
-        return live.humanize(latest.next_free_at, latest.now)
+        free_at, now = max(frees, key=lambda free: free[0])
+        return live.humanize(free_at, now)
 
     def _duration(self, request: HttpRequest) -> timedelta | None:
         try:
@@ -705,7 +716,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         keys = sorted(set(queryset.values_list("key", flat=True)))
         for key in keys:
             until = RateLimit.objects.pause_key(key, duration)
-        self._log(request, queryset, f"Paused for {format_duration(duration)}")
+        _log_change(request, queryset, f"Paused for {format_duration(duration)}")
         self.message_user(
             request,
             ngettext("%(n)d key paused until %(until)s.", "%(n)d keys paused until %(until)s.", len(keys))
@@ -716,7 +727,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
         lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
         if lifted:
-            self._log(request, queryset, "Resumed")
+            _log_change(request, queryset, "Resumed")
         self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)
 
 

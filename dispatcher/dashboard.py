@@ -59,7 +59,8 @@ def chart(status: live.KeyStatus, minutes: list[tuple[datetime, int, dict[str, i
     for i, ((minute, n), (_, _, parts)) in enumerate(zip(series, minutes, strict=True)):
         height = inner_h * n / top
         x, w = round(CHART_PAD + i * slot + 1, 1), round(max(slot - 2, 1), 1)
-        segments, base = [], inner_h + 5
+        segments: list[tuple[str, float, float, float, float, int]] = []
+        base: float = inner_h + 5
         for name, _label in SEGMENTS:
             count = parts.get(name, 0)
             if count:

@@ -286,7 +286,7 @@ def validate(limit: object, period: object, burst: object = None, concurrency: o
             raise PolicyError(f"{name} must be a whole number between 1 and {MAX_INT}, not {value!r}")
         return value
 
-    whole("limit", limit)
+    units = whole("limit", limit)
     if not isinstance(period, timedelta) or period <= timedelta(0):
         raise PolicyError(f"period must be a duration greater than zero, not {period!r}")
     if period < timedelta(milliseconds=1):
@@ -295,7 +295,7 @@ def validate(limit: object, period: object, burst: object = None, concurrency: o
         whole("concurrency", concurrency)
     if burst is not None:
         whole("burst", burst)
-        if _us(period) < limit:
+        if _us(period) < units:
             # A bucket's interval (period / limit) below a microsecond cannot be kept on the clock.
             raise PolicyError(
                 f"a burst needs a period of at least one microsecond per unit: {limit} per {period} is too fast"

@@ -58,7 +58,8 @@ class Bucket:
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
-        self.tokens, self.last = float(burst), None
+        self.tokens = float(burst)
+        self.last: float | None = None
 
     def admit(self, now: float, units: int) -> float | None:
         if self.last is not None:
@@ -74,7 +75,8 @@ class Smooth:
     """Refuses any request closer than ``interval`` seconds to the last one it admitted."""
 
     def __init__(self, interval: float) -> None:
-        self.interval, self.last = interval, None
+        self.interval = interval
+        self.last: float | None = None
 
     def admit(self, now: float, units: int) -> float | None:
         if self.last is not None and now - self.last < self.interval:
