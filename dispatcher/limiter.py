@@ -14,6 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from django.db import connection, models
 from django.db.models import Q
@@ -23,13 +24,16 @@ from dispatcher.keys import is_pattern, pattern_matches
 from dispatcher.policies import Policy as PolicyShape
 from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy, validate
 
+if TYPE_CHECKING:
+    from dispatcher.models import KeyState, RateLimit
+
 UNLIMITED = 10**9
 # Marks learnt limits among the policy rows (no real policy has a negative concurrency).
 LEARNT = -1
 # The channel on which send(), finishes and policy edits wake long-running dispensers.
 WAKE_CHANNEL = "dispatcher_wake"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_DURATION = models.DurationField()
+_DURATION: models.DurationField[timedelta, timedelta] = models.DurationField()
 
 # A sliding window built from keyword arguments, as other sources of policies (learnt limits)
 # construct them: Policy(key=..., limit=..., period=...).
@@ -52,7 +56,7 @@ class Policies:
     patterns: list[tuple[str, list[PolicyShape]]] = field(default_factory=list)
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
-    learnt: dict[str, list[Policy]] = field(default_factory=dict)
+    learnt: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -211,13 +215,13 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
     if tightest.room > 0:
         return tightest
     blocked = [v for v in verdicts if v.room <= 0]
-    known = [v for v in blocked if v.until is not None]
+    known = [(v.until, v) for v in blocked if v.until is not None]
     if len(known) < len(blocked):
         return next(v for v in blocked if v.until is None)
-    return max(known, key=lambda v: v.until)
+    return max(known, key=lambda pair: pair[0])[1]
 
 
-def lock_keys(keys: Sequence[str]) -> dict[str, models.Model]:
+def lock_keys(keys: Sequence[str]) -> dict[str, KeyState]:
     """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
     from dispatcher.models import KeyState
 
@@ -233,7 +237,7 @@ def lock_keys(keys: Sequence[str]) -> dict[str, models.Model]:
     return states
 
 
-def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
+def _select_for_update(ordered: list[str]) -> dict[str, KeyState]:
     from dispatcher.models import KeyState
 
     if connection.vendor != "postgresql":
@@ -248,7 +252,7 @@ def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
 
 
 def read_policies(
-    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], now: datetime
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], now: datetime
 ) -> dict[str, list[Reading]]:
     """Return, per key, what storage says about each of its policies at ``now``; one query.
 
@@ -266,9 +270,11 @@ def read_policies(
             if isinstance(policy, TokenBucket):
                 buckets.append(True)
                 params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
-            else:
+            elif isinstance(policy, SlidingWindow):
                 buckets.append(False)
                 params += [key, adapt(now - policy.span)]
+            else:
+                raise TypeError(f"no reading for a {type(policy).__name__}")
     with connection.cursor() as cursor:
         cursor.execute(sql.policy_readings(tuple(buckets)), params)
         row = iter(cursor.fetchone())
@@ -297,7 +303,7 @@ def _unit_leaves_at(key: str, base: int, n: int) -> datetime | None:
 
 def check_key(
     key: str,
-    state: models.Model,
+    state: KeyState,
     now: datetime,
     policies: Policies,
     *,
@@ -350,7 +356,7 @@ class Assessment:
 
 def assess(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -377,7 +383,7 @@ def assess(
 
 def check_each_key(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -387,7 +393,7 @@ def check_each_key(
     return assess(keys, states, now, policies, for_start=for_start).verdicts
 
 
-def _paused_until(key: str, state: models.Model, now: datetime, policies: Policies) -> datetime | None:
+def _paused_until(key: str, state: KeyState, now: datetime, policies: Policies) -> datetime | None:
     """Return when the key's own pause or its pattern's ends, if one lasts beyond now."""
     paused = [t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now]
     return max(paused, default=None)
@@ -395,7 +401,7 @@ def _paused_until(key: str, state: models.Model, now: datetime, policies: Polici
 
 def check_keys(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -415,7 +421,7 @@ class StartRecord:
 
 def start_record(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     assessment: Assessment,
     policies: Policies,
     now: datetime,
@@ -535,7 +541,7 @@ def wake_dispensers() -> None:
             cursor.execute(sql.NOTIFY, [WAKE_CHANNEL])
 
 
-class RateLimitManager(models.Manager):
+class RateLimitManager(models.Manager["RateLimit"]):
     """Edits of rate policies and pauses, shared by the command, the admin and settings."""
 
     def set_policy(
@@ -567,7 +573,7 @@ class RateLimitManager(models.Manager):
             wake_dispensers()
         return policy
 
-    def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
+    def _carry_buckets(self, old: RateLimit | None, new: RateLimit, now: datetime) -> None:
         """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
         from dispatcher.conf import dispatcher_settings
         from dispatcher.models import KeyBucket

@@ -228,7 +228,8 @@ def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQ
     connection_ = connections[db]
     values = []
     for model_field, value in zip(model._meta.concrete_fields, row, strict=True):
-        for convert in model_field.get_db_converters(connection_):
+        # Field.get_db_converters is Django's (the compiler calls it); the 5.2 stubs leave it out.
+        for convert in model_field.get_db_converters(connection_):  # type: ignore[attr-defined]
             value = convert(value, None, connection_)
         values.append(value)
     return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)
@@ -252,7 +253,8 @@ def _bulk_create_whole(manager: models.Manager, objs: list[Any]) -> list[Any]:
     fields = len(manager.model._meta.concrete_fields)
     if not objs or fields * len(objs) > limit:
         return manager.bulk_create(objs)
-    ops.bulk_batch_size = lambda _fields, batch: len(batch)  # this connection, this call only
+    # On purpose, for this connection and this call only (restored below).
+    ops.bulk_batch_size = lambda fields, objs: len(objs)  # type: ignore[method-assign]
     try:
         return manager.bulk_create(objs)
     finally:
@@ -494,7 +496,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _claim_rows_returning(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Select and mark the due calls of every asking key set in one statement."""
-        params = {
+        params: dict[str, Any] = {
             "dispatched": DISPATCHED, "pending": PENDING, "now": now,
             "key_sets": list(asks), "wanted": list(asks.values()),
         }
@@ -629,7 +631,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """The same as one statement: the guarded update, the attempt, the start log, buckets, the counters."""
         from dispatcher.models import Attempt
 
-        params = {
+        params: dict[str, Any] = {
             "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
             "log_keys": [k for k, _, _ in record.log], "log_units": [u for _, u, _ in record.log],

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from fractions import Fraction
-from typing import ClassVar
+from typing import ClassVar, overload
 
 US = timedelta(microseconds=1)
 
@@ -233,6 +233,11 @@ class TokenBucket(Policy):
         if units >= 0:
             return tat - _floor_td(units * self.interval)
         return max(tat, now) + _ceil_us(-units * self.interval)
+
+    @overload
+    def rebase(self, tat: datetime, now: datetime, new: TokenBucket) -> datetime: ...
+    @overload
+    def rebase(self, tat: None, now: datetime, new: TokenBucket) -> None: ...
 
     def rebase(self, tat: datetime | None, now: datetime, new: TokenBucket) -> datetime | None:
         """Return the state under an edited policy, carrying the units still owed (not the time)."""
