@@ -166,6 +166,23 @@ def known_keys(term: str, limit: int = 20) -> list[str]:
 _calls_page = threading.local()
 
 
+class ButtonsMixin(admin.ModelAdmin):
+    """Buttons on an object's page that run one of the admin's actions on that object alone."""
+
+    # Where the buttons are, for the answer to a request that is not theirs.
+    button_page = "the object's page"
+
+    def _button(self, request: HttpRequest, object_id: int, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponse(f"use the button on {self.button_page}", status=405, content_type="text/plain")
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        get_object_or_404(self.model, id=object_id)
+        getattr(self, action)(request, self.model.objects.filter(id=object_id))
+        opts = self.model._meta
+        return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[object_id]))
+
+
 class ReadOnlyAdminMixin(admin.ModelAdmin):
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
@@ -180,7 +197,9 @@ class ReadOnlyAdminMixin(admin.ModelAdmin):
 
 
 @admin.register(CallQueue)
-class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
+class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
+    button_page = "the call's page"
+
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
     list_filter = [CallStateFilter, "method", KeyFilter]
     search_fields = ["method"]
@@ -232,15 +251,6 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
             raise PermissionDenied
         term = request.GET.get("term", "").strip()[:200]
         return JsonResponse({"keys": known_keys(term) if term else []})
-
-    def _button(self, request: HttpRequest, call_id: int, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponse("use the button on the call's page", status=405, content_type="text/plain")
-        if not self.has_change_permission(request):
-            raise PermissionDenied
-        get_object_or_404(CallQueue, id=call_id)
-        getattr(self, action)(request, CallQueue.objects.filter(id=call_id))
-        return HttpResponseRedirect(reverse("admin:dispatcher_callqueue_change", args=[call_id]))
 
     def retry_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
         return self._button(request, call_id, "retry_now")
@@ -553,7 +563,9 @@ class KeyChangeList(ChangeList):
 
 
 @admin.register(RateLimit)
-class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
+class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
+    button_page = "the policy's page"
+
     form = RateLimitForm
     action_form = PauseActionForm
     # One row per key (its first policy stands for it), every policy of the key listed in it.
@@ -571,15 +583,6 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
             path("<int:policy_id>/resume/", self.admin_site.admin_view(self.resume_view), name="dispatcher_ratelimit_resume"),
         ]
         return urls + super().get_urls()
-
-    def _button(self, request: HttpRequest, policy_id: int, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponse("use the button on the policy's page", status=405, content_type="text/plain")
-        if not self.has_change_permission(request):
-            raise PermissionDenied
-        get_object_or_404(RateLimit, id=policy_id)
-        getattr(self, action)(request, RateLimit.objects.filter(id=policy_id))
-        return HttpResponseRedirect(reverse("admin:dispatcher_ratelimit_change", args=[policy_id]))
 
     def pause_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
         return self._button(request, policy_id, "pause")
