@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import UTC, timedelta
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django import forms
@@ -164,6 +165,17 @@ def known_keys(term: str, limit: int = 20) -> list[str]:
 
 
 _calls_page = threading.local()
+
+
+def _moment_field(name: str) -> Callable[[CallQueueAdmin, CallQueue], str]:
+    """Return a read-only field showing one of a call's moments against the page's clock."""
+
+    @admin.display(description=name.replace("_", " "))
+    def shown(admin_: CallQueueAdmin, call: CallQueue) -> str:
+        return admin_._moment(getattr(call, name))
+
+    shown.__name__ = f"{name}_shown"
+    return shown
 
 
 class ButtonsMixin(admin.ModelAdmin):
@@ -374,28 +386,14 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
         return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
 
-    def _moment(self, call: CallQueue, value: Any) -> str:
+    def _moment(self, value: datetime | None) -> str:
         return live.format_moment(value, self._now()) if value else "-"
 
-    @admin.display(description="run at")
-    def run_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.run_at)
-
-    @admin.display(description="created at")
-    def created_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.created_at)
-
-    @admin.display(description="dispatched at")
-    def dispatched_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.dispatched_at)
-
-    @admin.display(description="started at")
-    def started_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.started_at)
-
-    @admin.display(description="finished at")
-    def finished_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.finished_at)
+    run_at_shown = _moment_field("run_at")
+    created_at_shown = _moment_field("created_at")
+    dispatched_at_shown = _moment_field("dispatched_at")
+    started_at_shown = _moment_field("started_at")
+    finished_at_shown = _moment_field("finished_at")
 
     @admin.display(description="params")
     def params_shown(self, call: CallQueue) -> str:
@@ -637,7 +635,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
         return [s for k, s in statuses.items() if pattern_matches(policy.key, k) and s.governed_by == policy.key]
 
     def _use(self, status: live.KeyStatus, policy: RateLimit) -> live.PolicyUse | None:
-        return next((p for p in status.policies if p.period == policy.period and p.policy_key == policy.key), None)
+        return next((p for p in status.policies if p.policy.period == policy.period and p.policy.key == policy.key), None)
 
     @admin.display(description="policies: used now, dispatched-not-started calls included")
     def policy_label(self, row: RateLimit) -> str:
@@ -658,7 +656,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
         learnt = [u for s in statuses for u in s.policies if u.learnt] if not is_pattern(row.key) else []
         html = format_html_join("", '<li class="policy-use"><a href="{}">{}</a>: {}</li>', items)
         html += format_html_join("", '<li class="policy-use learnt">{} {}: {}</li>',
-                                 ((u.shape, u.label(), u.usage_text()) for u in learnt))
+                                 ((u.policy.shape, u.label(), u.usage_text()) for u in learnt))
         return format_html('<ul class="policy-uses">{}</ul>', html)
 
     @admin.display(description="in flight")

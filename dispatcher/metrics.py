@@ -144,12 +144,12 @@ class DispatcherCollector(Collector):
             key = redact_text(s.key)
             for p in s.policies:
                 if p.learnt:
-                    learnt.add_metric([key, f"{p.period.total_seconds():g}"], p.limit)
+                    learnt.add_metric([key, f"{p.policy.period.total_seconds():g}"], p.policy.limit)
                     continue
-                labels = [key, f"{p.period.total_seconds():g}"]
+                labels = [key, f"{p.policy.period.total_seconds():g}"]
                 utilisation.add_metric(labels, p.utilisation)
                 used.add_metric(labels, p.used)
-                limit.add_metric(labels, p.limit)
+                limit.add_metric(labels, p.policy.limit)
                 if isinstance(p.policy, TokenBucket):
                     burst.add_metric(labels, p.policy.burst)
             in_flight.add_metric([key], s.in_flight)
