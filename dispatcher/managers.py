@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from django.db import connection, connections, models, transaction
 from django.db.models import F, Q
@@ -39,7 +39,20 @@ MAX_ERROR_CHARS = 10_000
 # How long a start may wait for its slot while holding its keys' locks (see start()).
 HOLD_FOR_SLOT = timedelta(milliseconds=30)
 
-SEND_ARGUMENTS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue", "cost"}
+
+
+class SendOptions(TypedDict, total=False):
+    """The keyword arguments of send() and build() (send() says what each means)."""
+
+    keys: Iterable[str] | None
+    priority: int
+    run_at: datetime | None
+    max_attempts: int | None
+    queue: str | None
+    cost: int | Mapping[str, int] | None
+
+
+SEND_ARGUMENTS = {"method", "params", *SendOptions.__optional_keys__}
 
 
 @dataclass(frozen=True)
@@ -285,46 +298,20 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     # --- enqueue -------------------------------------------------------------------------
 
-    def build(
-        self,
-        method: str,
-        params: Mapping[str, Any] | None = None,
-        *,
-        keys: Iterable[str] | None = None,
-        priority: int = 0,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
-        queue: str | None = None,
-        cost: int | Mapping[str, int] | None = None,
-    ) -> CallQueue:
+    def build(self, method: str, params: Mapping[str, Any] | None = None, **options: Unpack[SendOptions]) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
-        call = _clean_call(
-            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
-            max_attempts=max_attempts, queue=queue, cost=cost,
-        )
-        return self.model(**call.fields(PENDING))
+        return self.model(**_clean_call(_SendSettings(), method, params, **options).fields(PENDING))
 
-    def send(
-        self,
-        method: str,
-        params: Mapping[str, Any] | None = None,
-        *,
-        keys: Iterable[str] | None = None,
-        priority: int = 0,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
-        queue: str | None = None,
-        cost: int | Mapping[str, int] | None = None,
-    ) -> CallQueue:
+    def send(self, method: str, params: Mapping[str, Any] | None = None, **options: Unpack[SendOptions]) -> CallQueue:
         """Store one call in the caller's transaction and return the saved row.
 
-        ``cost``: units charged to every key (an int), or {key: units} (keys not named cost 1);
-        a cost one of the call's policies could never admit is refused (CostNeverFits).
+        ``keys``: the call's rate-limit keys (besides its handler's key templates); ``priority``:
+        higher first (default 0); ``run_at``: not before then; ``max_attempts`` and ``queue``:
+        the handler's, else DISPATCHER_MAX_ATTEMPTS and DISPATCHER_QUEUE; ``cost``: units charged
+        to every key (an int), or {key: units} (keys not named cost 1); a cost one of the call's
+        policies could never admit is refused (CostNeverFits).
         """
-        call = _clean_call(
-            _SendSettings(), method, params, keys=keys, priority=priority, run_at=run_at,
-            max_attempts=max_attempts, queue=queue, cost=cost,
-        )
+        call = _clean_call(_SendSettings(), method, params, **options)
         db_connection = connections[self.db]
         if db_connection.vendor == "postgresql":
             return insert_one(self.model, self.db, db_connection, call, PENDING)
