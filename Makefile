@@ -24,6 +24,7 @@ test-sqlite: venv
 
 check: venv
 	$(BIN)/ruff check dispatcher project tests bench demo support
+	$(BIN)/mypy
 	$(BIN)/python manage.py check
 	$(BIN)/python manage.py makemigrations --check --dry-run
 

@@ -658,13 +658,6 @@ def http_latency(ctx: Context) -> list[Figure]:
     ]
 
 
-def _peak_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
 
 def http_hostile(ctx: Context) -> list[Figure]:
     """A worker against a 300 MB answer, a 300 MB gzip bomb and a trickling answer: peak memory, call time."""
@@ -737,7 +730,7 @@ def http_hostile(ctx: Context) -> list[Figure]:
             check(_wait_finished(call.id, 90), f"the {path} call did not finish:\n" + procs.logs())
             call.refresh_from_db()
             attempt = call.attempt_set.get()
-            figures[path] = (_peak_rss_mb(worker.pid), (attempt.finished_at - attempt.started_at).total_seconds())
+            figures[path] = (rss_mb(worker.pid, "VmHWM"), (attempt.finished_at - attempt.started_at).total_seconds())
     finally:
         procs.stop_all()
         server.shutdown()

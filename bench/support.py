@@ -114,25 +114,25 @@ class Broker:
         return seen
 
     def purge(self) -> None:
-        with self.app.connection_for_write() as conn:
-            try:
-                conn.default_channel.queue_purge(self.queue)
-            except Exception:
-                pass
+        self._on_queue("queue_purge")
 
     def delete(self) -> None:
+        self._on_queue("queue_delete")
+
+    def _on_queue(self, operation: str) -> None:
+        """Purge or delete the queue, if the broker has it."""
         with self.app.connection_for_write() as conn:
             try:
-                conn.default_channel.queue_delete(self.queue)
+                getattr(conn.default_channel, operation)(self.queue)
             except Exception:
                 pass
 
 
-def rss_mb(pid: int) -> float:
-    """Return a process's resident set size in MB (Linux)."""
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """Return a process's resident set size in MB (Linux); ``field="VmHWM"``: its peak so far."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return 0.0
 

@@ -78,12 +78,12 @@ class Partner:
         self.url = url
 
     def stats(self) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}/_partner/stats", timeout=5) as response:
+        with urllib.request.urlopen(f"{self.url}/_fake/stats", timeout=5) as response:
             return json.load(response)
 
     def set_limits(self, **changes: Any) -> None:
         request = urllib.request.Request(
-            f"{self.url}/_partner/limits", data=json.dumps(changes).encode(), method="POST",
+            f"{self.url}/_fake/limits", data=json.dumps(changes).encode(), method="POST",
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(request, timeout=5) as response:
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             view.say(result.stdout + result.stderr)
             return 1
         partner_proc = procs.start(
-            "partner", sys.executable, "-m", "demo.fake_partner", "--limit", str(LIMIT), "--per", str(PERIOD),
+            "partner", sys.executable, "-m", "support.fakeapi", "--limit", str(LIMIT), "--per", str(PERIOD),
             "--concurrency", str(CONCURRENCY), "--tenant-limit", str(TENANT_LIMIT),
         )
         log = work / "partner.log"

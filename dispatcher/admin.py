@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import json
 import threading
-from datetime import UTC, timedelta
-from typing import Any
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.models import CHANGE, LogEntry
+from django.contrib.admin.utils import flatten
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Min, Q, QuerySet
@@ -29,9 +31,20 @@ from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.policies import PolicyError, validate
 from dispatcher.redact import redact, redact_text
 
+if TYPE_CHECKING:
+    from django.contrib.admin.options import _FieldGroups
+
 MAX_ID = 2**63 - 1
 # Search in params looks at this many of the newest calls whose stored params contain the text.
 PARAMS_SEARCH_CANDIDATES = 200
+
+
+def _log_change(request: HttpRequest, queryset: QuerySet, message: str) -> None:
+    """Leave admin history: who did what to which calls or policies, one entry per row."""
+    user_id = request.user.pk
+    if user_id is None:  # the admin's views let only a logged-in staff user this far
+        raise PermissionDenied
+    LogEntry.objects.log_actions(user_id, queryset, CHANGE, message)
 
 
 def _params_matching(queryset: QuerySet, term: str) -> list[int]:
@@ -92,7 +105,7 @@ class CallStateFilter(admin.SimpleListFilter):
         if value == "deferred":
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals__gt=0)
         if value == "in_flight":
-            return queryset.in_flight()
+            return queryset.filter(status__in=CallQueue.IN_FLIGHT)
         if value in set(CallQueue.Status.values) - {CallQueue.Status.PENDING}:
             return queryset.filter(status=value)
         return queryset
@@ -111,7 +124,8 @@ class KeyFilter(admin.SimpleListFilter):
     def has_output(self) -> bool:
         return True
 
-    def choices(self, changelist: Any) -> list[dict[str, Any]]:
+    # The one choice is what key_filter.html reads (a typed key), not Django's (selected, query_string, display).
+    def choices(self, changelist: Any) -> list[dict[str, Any]]:  # type: ignore[override]
         others = [(k, v) for k, v in changelist.params.items() if k not in (self.parameter_name, "p")]
         return [{"value": self.value() or "", "others": others, "suggest": reverse("admin:dispatcher_callqueue_keys"),
                  "clear": changelist.get_query_string(remove=[self.parameter_name])}]
@@ -153,7 +167,35 @@ def known_keys(term: str, limit: int = 20) -> list[str]:
 _calls_page = threading.local()
 
 
-class ReadOnlyAdminMixin:
+def _moment_field(name: str) -> Callable[[CallQueueAdmin, CallQueue], str]:
+    """Return a read-only field showing one of a call's moments against the page's clock."""
+
+    @admin.display(description=name.replace("_", " "))
+    def shown(admin_: CallQueueAdmin, call: CallQueue) -> str:
+        return admin_._moment(getattr(call, name))
+
+    shown.__name__ = f"{name}_shown"
+    return shown
+
+
+class ButtonsMixin(admin.ModelAdmin):
+    """Buttons on an object's page that run one of the admin's actions on that object alone."""
+
+    # Where the buttons are, for the answer to a request that is not theirs.
+    button_page = "the object's page"
+
+    def _button(self, request: HttpRequest, object_id: int, action: str) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponse(f"use the button on {self.button_page}", status=405, content_type="text/plain")
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        get_object_or_404(self.model, id=object_id)
+        getattr(self, action)(request, self.model.objects.filter(id=object_id))
+        opts = self.model._meta
+        return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[object_id]))
+
+
+class ReadOnlyAdminMixin(admin.ModelAdmin):
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -163,11 +205,13 @@ class ReadOnlyAdminMixin:
         return False
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return list(self.fields or [])
+        return flatten(self.fields or [])
 
 
 @admin.register(CallQueue)
-class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
+class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
+    button_page = "the call's page"
+
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
     list_filter = [CallStateFilter, "method", KeyFilter]
     search_fields = ["method"]
@@ -220,15 +264,6 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         term = request.GET.get("term", "").strip()[:200]
         return JsonResponse({"keys": known_keys(term) if term else []})
 
-    def _button(self, request: HttpRequest, call_id: int, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponse("use the button on the call's page", status=405, content_type="text/plain")
-        if not self.has_change_permission(request):
-            raise PermissionDenied
-        get_object_or_404(CallQueue, id=call_id)
-        getattr(self, action)(request, CallQueue.objects.filter(id=call_id))
-        return HttpResponseRedirect(reverse("admin:dispatcher_callqueue_change", args=[call_id]))
-
     def retry_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
         return self._button(request, call_id, "retry_now")
 
@@ -256,7 +291,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
     def _now(self) -> Any:
         return getattr(_calls_page, "now", None) or db_now()
 
-    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: CallQueue | None = None) -> _FieldGroups:
         fields = list(super().get_fields(request, obj))
         if obj is not None and obj.status in CallQueue.FINISHED:
             fields.remove("why_waiting")  # a finished call does not wait
@@ -351,28 +386,14 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
         return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
 
-    def _moment(self, call: CallQueue, value: Any) -> str:
+    def _moment(self, value: datetime | None) -> str:
         return format_moment(value, self._now()) if value else "-"
 
-    @admin.display(description="run at")
-    def run_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.run_at)
-
-    @admin.display(description="created at")
-    def created_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.created_at)
-
-    @admin.display(description="dispatched at")
-    def dispatched_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.dispatched_at)
-
-    @admin.display(description="started at")
-    def started_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.started_at)
-
-    @admin.display(description="finished at")
-    def finished_at_shown(self, call: CallQueue) -> str:
-        return self._moment(call, call.finished_at)
+    run_at_shown = _moment_field("run_at")
+    created_at_shown = _moment_field("created_at")
+    dispatched_at_shown = _moment_field("dispatched_at")
+    started_at_shown = _moment_field("started_at")
+    finished_at_shown = _moment_field("finished_at")
 
     @admin.display(description="params")
     def params_shown(self, call: CallQueue) -> str:
@@ -417,10 +438,8 @@ class CallQueueAdmin(RefuseUnstorableMixin, ReadOnlyAdminMixin, admin.ModelAdmin
         )
 
     def _log(self, request: HttpRequest, ids: list[int], message: str) -> None:
-        """Leave admin history: who did what to which calls or policies."""
         if ids:
-            LogEntry.objects.log_actions(request.user.pk, self.model.objects.filter(id__in=ids), CHANGE, message,
-                                         single_object=len(ids) == 1)
+            _log_change(request, self.model.objects.filter(id__in=ids), message)
 
     @admin.action(description="Retry now (failed calls get one more attempt)", permissions=["change"])
     def retry_now(self, request: HttpRequest, queryset: QuerySet) -> None:
@@ -510,7 +529,8 @@ class RateLimitForm(forms.ModelForm):
         fields = ["key", "limit", "period", "burst", "concurrency"]
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         if data.get("limit") is not None and data.get("period") is not None:
             try:
                 validate(data["limit"], data["period"], data.get("burst"), data.get("concurrency"))
@@ -539,7 +559,9 @@ class KeyChangeList(ChangeList):
 
 
 @admin.register(RateLimit)
-class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
+class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
+    button_page = "the policy's page"
+
     form = RateLimitForm
     action_form = PauseActionForm
     # One row per key (its first policy stands for it), every policy of the key listed in it.
@@ -558,23 +580,12 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         ]
         return urls + super().get_urls()
 
-    def _button(self, request: HttpRequest, policy_id: int, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponse("use the button on the policy's page", status=405, content_type="text/plain")
-        if not self.has_change_permission(request):
-            raise PermissionDenied
-        get_object_or_404(RateLimit, id=policy_id)
-        getattr(self, action)(request, RateLimit.objects.filter(id=policy_id))
-        return HttpResponseRedirect(reverse("admin:dispatcher_ratelimit_change", args=[policy_id]))
-
     def pause_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
         return self._button(request, policy_id, "pause")
 
     def resume_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
         return self._button(request, policy_id, "resume")
 
-    def _log(self, request: HttpRequest, queryset: QuerySet, message: str) -> None:
-        LogEntry.objects.log_actions(request.user.pk, queryset, CHANGE, message, single_object=queryset.count() == 1)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
@@ -627,7 +638,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         return [s for k, s in statuses.items() if pattern_matches(policy.key, k) and s.governed_by == policy.key]
 
     def _use(self, status: live.KeyStatus, policy: RateLimit) -> live.PolicyUse | None:
-        return next((p for p in status.policies if p.period == policy.period and p.policy_key == policy.key), None)
+        return next((p for p in status.policies if p.policy.period == policy.period and p.policy.key == policy.key), None)
 
     @admin.display(description="policies: used now, dispatched-not-started calls included")
     def policy_label(self, row: RateLimit) -> str:
@@ -648,7 +659,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         learnt = [u for s in statuses for u in s.policies if u.learnt] if not is_pattern(row.key) else []
         html = format_html_join("", '<li class="policy-use"><a href="{}">{}</a>: {}</li>', items)
         html += format_html_join("", '<li class="policy-use learnt">{} {}: {}</li>',
-                                 ((u.shape, u.label(), u.usage_text()) for u in learnt))
+                                 ((u.policy.shape, u.label(), u.usage_text()) for u in learnt))
         return format_html('<ul class="policy-uses">{}</ul>', html)
 
     @admin.display(description="in flight")
@@ -673,11 +684,11 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         if state is not None:
             until, reason = state.paused_until, state.pause_reason
         else:
-            pauses = [s for s in self._statuses(policy) if s.paused_until]
+            pauses = [(s.paused_until, s) for s in self._statuses(policy) if s.paused_until]
             if not pauses:
                 return "-"
-            latest = max(pauses, key=lambda s: s.paused_until)
-            until, reason, now = latest.paused_until, latest.pause_reason, latest.now
+            until, latest = max(pauses, key=lambda pause: pause[0])
+            reason, now = latest.pause_reason, latest.now
         source = live.pause_source(reason)
         detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
         return f"{format_moment(until, now)}, by {source}{detail}"
@@ -688,10 +699,11 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         blocked = [s for s in statuses if s.blocked]
         if not blocked:
             return getattr(_page, "free_now", "now")
-        if any(s.next_free_at is None for s in blocked):
+        frees = [(s.next_free_at, s.now) for s in blocked if s.next_free_at is not None]
+        if len(frees) < len(blocked):
             return "when a call in flight finishes"
-        latest = max(blocked, key=lambda s: s.next_free_at)
-        return humanize(latest.next_free_at, latest.now)
+        free_at, now = max(frees, key=lambda free: free[0])
+        return humanize(free_at, now)
 
     def _duration(self, request: HttpRequest) -> timedelta | None:
         try:
@@ -708,7 +720,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
         keys = sorted(set(queryset.values_list("key", flat=True)))
         for key in keys:
             until = RateLimit.objects.pause_key(key, duration)
-        self._log(request, queryset, f"Paused for {format_duration(duration)}")
+        _log_change(request, queryset, f"Paused for {format_duration(duration)}")
         self.message_user(
             request,
             ngettext("%(n)d key paused until %(until)s.", "%(n)d keys paused until %(until)s.", len(keys))
@@ -719,7 +731,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
         lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
         if lifted:
-            self._log(request, queryset, "Resumed")
+            _log_change(request, queryset, "Resumed")
         self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)
 
 

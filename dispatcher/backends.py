@@ -33,13 +33,13 @@ from dispatcher.keys import resolve_keys
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
 
-try:  # Django >= 6.0 ships the framework.
-    from django.tasks import DEFAULT_TASK_QUEUE_NAME, Task, TaskResult, TaskResultStatus
-    from django.tasks.backends.base import BaseTaskBackend
-    from django.tasks.base import TaskError
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
-    from django.tasks.signals import task_enqueued
-    from django.utils.json import normalize_json
+try:  # Django >= 6.0 ships the framework (the stubs checked against are Django 5.2's: no django.tasks).
+    from django.tasks import DEFAULT_TASK_QUEUE_NAME, Task, TaskResult, TaskResultStatus  # type: ignore[import-untyped]
+    from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-untyped]
+    from django.tasks.base import TaskError  # type: ignore[import-untyped]
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist  # type: ignore[import-untyped]
+    from django.tasks.signals import task_enqueued  # type: ignore[import-untyped]
+    from django.utils.json import normalize_json  # type: ignore[import-untyped]
 except ImportError:  # Django 5.2: the django-tasks backport.
     try:
         from django_tasks import DEFAULT_TASK_QUEUE_NAME, TaskResult, TaskResultStatus
@@ -54,7 +54,7 @@ except ImportError:  # Django 5.2: the django-tasks backport.
             "or, on Django 5.2, the django-tasks backport (pip install 'django-call-dispatcher[tasks]')"
         ) from exc
     try:
-        from django_tasks.exceptions import InvalidTask
+        from django_tasks.exceptions import InvalidTask  # type: ignore[attr-defined]  # newer backports only
     except ImportError:  # the backport's releases up to 0.12 name it InvalidTaskError
         from django_tasks.exceptions import InvalidTaskError as InvalidTask
 

@@ -61,7 +61,8 @@ def chart(status: live.KeyStatus, minutes: list[tuple[datetime, int, dict[str, i
     for i, ((minute, n), (_, _, parts)) in enumerate(zip(series, minutes, strict=True)):
         height = inner_h * n / top
         x, w = round(CHART_PAD + i * slot + 1, 1), round(max(slot - 2, 1), 1)
-        segments, base = [], inner_h + 5
+        segments: list[tuple[str, float, float, float, float, int]] = []
+        base: float = inner_h + 5
         for name, _label in SEGMENTS:
             count = parts.get(name, 0)
             if count:
@@ -84,7 +85,7 @@ def chart(status: live.KeyStatus, minutes: list[tuple[datetime, int, dict[str, i
 
 def on_bar_chart(use: live.PolicyUse) -> bool:
     """Whether a policy is drawn as a per-minute line over the starts: a bucket, or a window of at most a minute."""
-    return use.shape == "bucket" or use.period <= timedelta(minutes=1)
+    return use.policy.shape == "bucket" or use.policy.period <= timedelta(minutes=1)
 
 
 PANEL_WIDTH, PANEL_HEIGHT = 600, 56
@@ -104,16 +105,16 @@ def policy_panels(status: live.KeyStatus, units: dict[datetime, int] | None = No
     end = status.now.replace(second=0, microsecond=0)
     grid = [end - timedelta(minutes=MINUTES - 1 - i) for i in range(MINUTES)]
     for use in status.policies:
-        capacity = use.limit if use.shape == "window" else use.capacity
+        capacity = use.policy.limit if use.policy.shape == "window" else use.policy.capacity()
         panel: dict[str, Any] = {
-            "shape": "token bucket" if use.shape == "bucket" else "sliding window",
+            "shape": "token bucket" if use.policy.shape == "bucket" else "sliding window",
             "label": use.label(), "learnt": use.learnt, "usage": use.usage_text(), "used": use.committed,
             "limit": capacity, "on_bar_chart": on_bar_chart(use), "width": PANEL_WIDTH, "height": PANEL_HEIGHT,
             "gauge": round(PANEL_WIDTH * min(use.committed / capacity, 1), 1) if capacity else 0,
             "full": use.committed >= capacity, "series": None,
         }
-        if units is not None and not panel["on_bar_chart"] and use.period <= LONGEST_SERIES:
-            span = -(-use.period // timedelta(minutes=1))  # minutes, rounded up
+        if units is not None and not panel["on_bar_chart"] and use.policy.period <= LONGEST_SERIES:
+            span = -(-use.policy.period // timedelta(minutes=1))  # minutes, rounded up
             # Running totals over the minutes from ``span`` before the hour: a window is a difference.
             totals = [0]
             for i in range(span + MINUTES - 1):
@@ -135,7 +136,7 @@ def window_units(statuses: list[live.KeyStatus], now: datetime) -> dict[str, dic
     """Return units started per key and minute, as far back as each key's longest window before the hour."""
     reach: dict[str, timedelta] = {}
     for status in statuses:
-        longest = [u.period for u in status.policies if not on_bar_chart(u) and u.period <= LONGEST_SERIES]
+        longest = [u.policy.period for u in status.policies if not on_bar_chart(u) and u.policy.period <= LONGEST_SERIES]
         if longest:
             reach[status.key] = max(longest)
     if not reach:

@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
 from celery import current_app
 from django.db import close_old_connections, connections
@@ -22,6 +23,10 @@ from dispatcher.models import CallQueue
 
 # The Celery tasks that run claimed calls (dispatcher.tasks): one call, or several of one queue.
 RUN_CALL, RUN_CALLS = "dispatcher.run_call", "dispatcher.run_calls"
+
+if TYPE_CHECKING:
+    import psycopg
+    from celery.app.amqp import task_message
 
 log = logging.getLogger("dispatcher")
 
@@ -132,9 +137,9 @@ class Waiter:
     """Sleeps until a timeout, a stop, or (on PostgreSQL) a NOTIFY from send() or a worker."""
 
     def __init__(self) -> None:
-        self.conn = None
+        self.conn: psycopg.Connection | None = None
 
-    def _listen(self):
+    def _listen(self) -> psycopg.Connection | None:
         # LISTEN where the calls are: the database of CallQueue's manager.
         connection = connections[CallQueue.objects.db]
         if connection.vendor != "postgresql":
@@ -207,18 +212,18 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> N
     by_queue: dict[str, list[Claimed]] = {}
     for call in calls:
         by_queue.setdefault(call.queue, []).append(call)
-    messages = []
+    messages: list[tuple[str, str, tuple[Any, ...]]] = []
     for queue_name, group in by_queue.items():
         for start in range(0, len(group), per_message):
             chunk = group[start : start + per_message]
             if len(chunk) == 1:
-                messages.append((queue_name, RUN_CALL, [chunk[0].id, chunk[0].dispatch_no]))
+                messages.append((queue_name, RUN_CALL, (chunk[0].id, chunk[0].dispatch_no)))
             else:
-                messages.append((queue_name, RUN_CALLS, [[[c.id, c.dispatch_no] for c in chunk]]))
+                messages.append((queue_name, RUN_CALLS, ([[c.id, c.dispatch_no] for c in chunk],)))
     # The tasks are named, not imported: dispatcher.tasks imports this module.
     app = current_app
     amqp = app.amqp
-    templates = {}
+    templates: dict[str, task_message] = {}
     routes: dict[tuple[str, str], tuple[str, int]] = {}
     with app.producer_or_acquire() as producer, producer.batch(max_size=len(messages)):
         for queue_name, task_name, args in messages:
@@ -233,9 +238,9 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> N
                 mode = getattr(queue.exchange, "delivery_mode", None) or app.conf.task_default_delivery_mode
                 route = routes[(queue_name, task_name)] = (queue.name, mode)
             task_id = str(uuid.uuid4())
-            headers = {**template.headers, "id": task_id, "root_id": task_id, "argsrepr": repr(tuple(args))}
+            headers = {**template.headers, "id": task_id, "root_id": task_id, "argsrepr": repr(args)}
             producer.publish(
-                json.dumps([args, {}, template.body[2]]),
+                json.dumps([list(args), {}, template.body[2]]),
                 exchange="", routing_key=route[0], delivery_mode=route[1], headers=headers,
                 content_type="application/json", content_encoding="utf-8", retry=False,
                 correlation_id=task_id, reply_to="",

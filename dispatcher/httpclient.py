@@ -93,7 +93,7 @@ def vetted_addresses(host: str, port: int) -> list[str]:
     except ValueError:
         pass
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
     if not dispatcher_settings.HTTP_ALLOW_INTERNAL_NAMES:
         if any(_is_internal(a) for a in addresses):
             raise AddressRefused(

@@ -57,7 +57,7 @@ class NewCall(NamedTuple):
 def insert_one(model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, call: NewCall, status: str) -> CallQueue:
     """Insert one call in the connection's current transaction (or autocommit); return it saved."""
     # created_at comes back as microseconds since the epoch, see insert_many().
-    params = {
+    params: dict[str, Any] = {
         "method": call.method, "params": call.params_json, "keys": _compact_json.encode(call.keys),
         "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "max_attempts": call.max_attempts,
         "run_at": call.run_at, "status": status, "cost": None if call.cost is None else _compact_json.encode(call.cost),

@@ -14,6 +14,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from django.db import connections, models, router, transaction
 from django.db.models import Q
@@ -26,13 +27,16 @@ from dispatcher.keys import is_pattern, pattern_matches
 from dispatcher.policies import Policy as PolicyShape
 from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy
 
+if TYPE_CHECKING:
+    from dispatcher.models import KeyState
+
 UNLIMITED = 10**9
 # Marks learnt limits among the policy rows (no real policy has a negative concurrency).
 LEARNT = -1
 # The channel on which send(), finishes and policy edits wake long-running dispensers.
 WAKE_CHANNEL = "dispatcher_wake"
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_DURATION = models.DurationField()
+_DURATION: models.DurationField[timedelta, timedelta] = models.DurationField()
 
 # A sliding window built from keyword arguments, as other sources of policies (learnt limits)
 # construct them: Policy(key=..., limit=..., period=...).
@@ -64,7 +68,7 @@ class Policies:
     patterns: list[tuple[str, list[PolicyShape]]] = field(default_factory=list)
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
-    learnt: dict[str, list[Policy]] = field(default_factory=dict)
+    learnt: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -220,13 +224,13 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
     if tightest.room > 0:
         return tightest
     blocked = [v for v in verdicts if v.room <= 0]
-    known = [v for v in blocked if v.until is not None]
+    known = [(v.until, v) for v in blocked if v.until is not None]
     if len(known) < len(blocked):
         return next(v for v in blocked if v.until is None)
-    return max(known, key=lambda v: v.until)
+    return max(known, key=lambda pair: pair[0])[1]
 
 
-def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, models.Model]:
+def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, KeyState]:
     """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
     if not keys:
         return {}
@@ -241,7 +245,7 @@ def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, models
     return states
 
 
-def _select_for_update(ordered: list[str], db: str) -> dict[str, models.Model]:
+def _select_for_update(ordered: list[str], db: str) -> dict[str, KeyState]:
     if connections[db].vendor != "postgresql":
         return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
@@ -255,7 +259,7 @@ def _select_for_update(ordered: list[str], db: str) -> dict[str, models.Model]:
 
 def read_policies(
     governed: Mapping[str, Sequence[PolicyShape]],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     using: str | None = None,
 ) -> dict[str, list[Reading]]:
@@ -277,9 +281,11 @@ def read_policies(
             if isinstance(policy, TokenBucket):
                 buckets.append(True)
                 params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
-            else:
+            elif isinstance(policy, SlidingWindow):
                 buckets.append(False)
                 params += [key, adapt(now - policy.span)]
+            else:
+                raise TypeError(f"no reading for a {type(policy).__name__}")
     with connection.cursor() as cursor:
         cursor.execute(sql.policy_readings(tuple(buckets)), params)
         row = iter(cursor.fetchone())
@@ -306,7 +312,7 @@ def _unit_leaves_at(db: str, key: str, base: int, n: int) -> datetime | None:
 
 def check_key(
     key: str,
-    state: models.Model,
+    state: KeyState,
     now: datetime,
     policies: Policies,
     *,
@@ -363,7 +369,7 @@ class Assessment:
 
 def assess(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -391,7 +397,7 @@ def assess(
 
 def check_each_key(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -402,7 +408,7 @@ def check_each_key(
     return assess(keys, states, now, policies, for_start=for_start, using=using).verdicts
 
 
-def _paused_until(key: str, state: models.Model, now: datetime, policies: Policies) -> datetime | None:
+def _paused_until(key: str, state: KeyState, now: datetime, policies: Policies) -> datetime | None:
     """Return when the key's own pause or its pattern's ends, if one lasts beyond now."""
     paused = [t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now]
     return max(paused, default=None)
@@ -410,7 +416,7 @@ def _paused_until(key: str, state: models.Model, now: datetime, policies: Polici
 
 def check_keys(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     now: datetime,
     policies: Policies,
     *,
@@ -431,7 +437,7 @@ class StartRecord:
 
 def start_record(
     keys: Sequence[str],
-    states: Mapping[str, models.Model],
+    states: Mapping[str, KeyState],
     assessment: Assessment,
     policies: Policies,
     now: datetime,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, models, transaction
@@ -40,7 +40,20 @@ MAX_ERROR_CHARS = 10_000
 # How long a start may wait for its slot while holding its keys' locks (see start()).
 HOLD_FOR_SLOT = timedelta(milliseconds=30)
 
-SEND_ARGUMENTS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue", "cost"}
+
+
+class SendOptions(TypedDict, total=False):
+    """The keyword arguments of send() and build() (send() says what each means)."""
+
+    keys: Iterable[str] | None
+    priority: int
+    run_at: datetime | None
+    max_attempts: int | None
+    queue: str | None
+    cost: int | Mapping[str, int] | None
+
+
+SEND_ARGUMENTS = {"method", "params", *SendOptions.__optional_keys__}
 
 
 @dataclass(frozen=True)
@@ -232,7 +245,8 @@ def _call_from_row(model: type[CallQueue], db: str, row: Sequence[Any]) -> CallQ
     connection_ = connections[db]
     values = []
     for model_field, value in zip(model._meta.concrete_fields, row, strict=True):
-        for convert in model_field.get_db_converters(connection_):
+        # Field.get_db_converters is Django's (the compiler calls it); the 5.2 stubs leave it out.
+        for convert in model_field.get_db_converters(connection_):  # type: ignore[attr-defined]
             value = convert(value, None, connection_)
         values.append(value)
     return model.from_db(db, [f.attname for f in model._meta.concrete_fields], values)
@@ -256,7 +270,8 @@ def _bulk_create_whole(manager: models.Manager, objs: list[Any]) -> list[Any]:
     fields = len(manager.model._meta.concrete_fields)
     if not objs or fields * len(objs) > limit:
         return manager.bulk_create(objs)
-    ops.bulk_batch_size = lambda _fields, batch: len(batch)  # this connection, this call only
+    # On purpose, for this connection and this call only (restored below).
+    ops.bulk_batch_size = lambda fields, objs: len(objs)  # type: ignore[method-assign]
     try:
         return manager.bulk_create(objs)
     finally:
@@ -298,24 +313,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     # --- enqueue -------------------------------------------------------------------------
 
-    def build(
-        self,
-        method: str,
-        params: Mapping[str, Any] | None = None,
-        *,
-        keys: Iterable[str] | None = None,
-        priority: int = 0,
-        run_at: datetime | None = None,
-        max_attempts: int | None = None,
-        queue: str | None = None,
-        cost: int | Mapping[str, int] | None = None,
-    ) -> CallQueue:
+    def build(self, method: str, params: Mapping[str, Any] | None = None, **options: Unpack[SendOptions]) -> CallQueue:
         """Validate a call and return it unsaved; raise an InvalidCall (a ValueError) if bad."""
-        call = _clean_call(
-            _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
-            max_attempts=max_attempts, queue=queue, cost=cost,
-        )
-        return self.model(**call.fields(Status.PENDING))
+        return self.model(**_clean_call(_SendSettings(self.db), method, params, **options).fields(Status.PENDING))
 
     def send(
         self,
@@ -331,8 +331,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
     ) -> CallQueue:
         """Store one call in the caller's transaction and return the saved row.
 
-        ``cost``: units charged to every key (an int), or {key: units} (keys not named cost 1);
-        a cost one of the call's policies could never admit is refused (CostNeverFits).
+        ``keys``: the call's rate-limit keys (besides its handler's key templates); ``priority``:
+        higher first (default 0); ``run_at``: not before then; ``max_attempts`` and ``queue``:
+        the handler's, else DISPATCHER_MAX_ATTEMPTS and DISPATCHER_QUEUE; ``cost``: units charged
+        to every key (an int), or {key: units} (keys not named cost 1); a cost one of the call's
+        policies could never admit is refused (CostNeverFits).
         """
         call = _clean_call(
             _SendSettings(self.db), method, params, keys=keys, priority=priority, run_at=run_at,
@@ -511,7 +514,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _claim_rows_postgresql(self, asks: dict[str, int], now: datetime) -> list[Claimed]:
         """Select and mark the due calls of every asking key set in one statement (``sql.claim_due``)."""
-        params = {
+        params: dict[str, Any] = {
             "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
             "key_sets": list(asks), "wanted": list(asks.values()),
         }
@@ -649,7 +652,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         record: limiter.StartRecord,
     ) -> tuple[CallQueue, Attempt] | None:
         """The same as one statement (``sql.mark_running``)."""
-        params = {
+        params: dict[str, Any] = {
             "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
             "log_keys": [k for k, _, _ in record.log], "log_units": [u for _, u, _ in record.log],
@@ -978,7 +981,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             return self.filter(id__in=list(ids), status=Status.PENDING).update(status=Status.CANCELLED, finished_at=now)
 
 
-class RateLimitManager(models.Manager):
+class RateLimitManager(models.Manager["RateLimit"]):
     """Edits of rate policies and pauses, shared by the command, the admin and settings."""
 
     def set_policy(
@@ -1039,7 +1042,7 @@ class RateLimitManager(models.Manager):
                 limiter.wake_dispensers(using=self.db)
         return deleted
 
-    def _carry_buckets(self, old: models.Model | None, new: models.Model, now: datetime) -> None:
+    def _carry_buckets(self, old: RateLimit | None, new: RateLimit, now: datetime) -> None:
         """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
         buckets = tables.KeyBucket.objects.using(self.db).filter(period=new.period)
         if is_pattern(new.key):

@@ -32,6 +32,7 @@ from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
 from dispatcher.models import Attempt, CallQueue
+from dispatcher.policies import TokenBucket
 from dispatcher.redact import redact_text
 
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)
@@ -137,13 +138,13 @@ class DispatcherCollector(Collector):
             key = redact_text(s.key)
             for p in s.policies:
                 if p.learnt:
-                    learnt.add_metric([key, f"{p.period.total_seconds():g}"], p.limit)
+                    learnt.add_metric([key, f"{p.policy.period.total_seconds():g}"], p.policy.limit)
                     continue
-                labels = [key, f"{p.period.total_seconds():g}"]
+                labels = [key, f"{p.policy.period.total_seconds():g}"]
                 utilisation.add_metric(labels, p.utilisation)
                 used.add_metric(labels, p.used)
-                limit.add_metric(labels, p.limit)
-                if p.shape == "bucket":
+                limit.add_metric(labels, p.policy.limit)
+                if isinstance(p.policy, TokenBucket):
                     burst.add_metric(labels, p.policy.burst)
             in_flight.add_metric([key], s.in_flight)
             paused.add_metric([key], 1 if s.paused_until else 0)

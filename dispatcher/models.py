@@ -13,6 +13,15 @@ from dispatcher.states import AttemptOutcome, CallStatus
 from dispatcher.validation import StoredJSONDecoder
 
 
+def limit_constraints(table: str) -> list[models.BaseConstraint]:
+    """One limit per key and period, a limit of at least 1, a period above zero (a policy or a learnt limit)."""
+    return [
+        models.UniqueConstraint(fields=["key", "period"], name=f"{table}_key_period_uniq"),
+        models.CheckConstraint(condition=Q(limit__gte=1), name=f"{table}_limit_gte_1"),
+        models.CheckConstraint(condition=Q(period__gt=timedelta(0)), name=f"{table}_period_gt_0"),
+    ]
+
+
 class CallQueue(models.Model):
     """One call to a third-party API, from send() to done, failed or cancelled."""
 
@@ -143,9 +152,7 @@ class RateLimit(models.Model):
         db_table = "dispatcher_ratelimit"
         ordering = ["key", "period"]
         constraints = [
-            models.UniqueConstraint(fields=["key", "period"], name="dispatcher_ratelimit_key_period_uniq"),
-            models.CheckConstraint(condition=Q(limit__gte=1), name="dispatcher_ratelimit_limit_gte_1"),
-            models.CheckConstraint(condition=Q(period__gt=timedelta(0)), name="dispatcher_ratelimit_period_gt_0"),
+            *limit_constraints("dispatcher_ratelimit"),
             models.CheckConstraint(
                 condition=Q(concurrency__isnull=True) | Q(concurrency__gte=1),
                 name="dispatcher_ratelimit_concurrency_gte_1",
@@ -246,11 +253,7 @@ class LearntLimit(models.Model):
     class Meta:
         db_table = "dispatcher_learntlimit"
         ordering = ["key", "period"]
-        constraints = [
-            models.UniqueConstraint(fields=["key", "period"], name="dispatcher_learntlimit_key_period_uniq"),
-            models.CheckConstraint(condition=Q(limit__gte=1), name="dispatcher_learntlimit_limit_gte_1"),
-            models.CheckConstraint(condition=Q(period__gt=timedelta(0)), name="dispatcher_learntlimit_period_gt_0"),
-        ]
+        constraints = limit_constraints("dispatcher_learntlimit")
         indexes = [models.Index(fields=["expires_at"], name="dispatcher_learntlimit_exp_idx")]
 
     def __str__(self) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from fractions import Fraction
-from typing import ClassVar
+from typing import ClassVar, overload
 
 from dispatcher.durations import format_duration
 
@@ -232,6 +232,11 @@ class TokenBucket(Policy):
             return tat - _floor_td(units * self.interval)
         return max(tat, now) + _ceil_us(-units * self.interval)
 
+    @overload
+    def rebase(self, tat: datetime, now: datetime, new: TokenBucket) -> datetime: ...
+    @overload
+    def rebase(self, tat: None, now: datetime, new: TokenBucket) -> None: ...
+
     def rebase(self, tat: datetime | None, now: datetime, new: TokenBucket) -> datetime | None:
         """Return the state under an edited policy, carrying the units still owed (not the time)."""
         if tat is None or tat <= now:
@@ -284,7 +289,7 @@ def validate(limit: object, period: object, burst: object = None, concurrency: o
             raise PolicyError(f"{name} must be a whole number between 1 and {MAX_INT}, not {value!r}")
         return value
 
-    whole("limit", limit)
+    units = whole("limit", limit)
     if not isinstance(period, timedelta) or period <= timedelta(0):
         raise PolicyError(f"period must be a duration greater than zero, not {period!r}")
     if period < timedelta(milliseconds=1):
@@ -293,7 +298,7 @@ def validate(limit: object, period: object, burst: object = None, concurrency: o
         whole("concurrency", concurrency)
     if burst is not None:
         whole("burst", burst)
-        if _us(period) < limit:
+        if _us(period) < units:
             # A bucket's interval (period / limit) below a microsecond cannot be kept on the clock.
             raise PolicyError(
                 f"a burst needs a period of at least one microsecond per unit: {limit} per {period} is too fast"

@@ -159,7 +159,7 @@ def _family(headers: Mapping[str, str], prefix: str, now: float, epochs: bool) -
     reset = parse_reset(reset_text, now) if epochs else _seconds(_number(reset_text))
     if limit is None and remaining is None and reset is None:
         return None
-    windows = ()
+    windows: tuple[Window, ...] = ()
     # The window is not announced; the reset seen when the most remain is the best estimate
     # of it (the learner keeps the longest it has seen).
     if limit and reset:

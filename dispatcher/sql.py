@@ -47,9 +47,19 @@ def table(model: str) -> str:
     return quote(_meta(model).db_table)
 
 
+def _field(model: str, name: str) -> Field:
+    """Return a dispatcher model's field that has a column of its own."""
+    found = _meta(model).get_field(name)
+    if not isinstance(found, Field) or not found.column:
+        raise LookupError(f"{model}.{name} has no column")
+    return found
+
+
 def column(model: str, name: str) -> str:
     """Return the column of a dispatcher model's field, quoted."""
-    return quote(_meta(model).get_field(name).column)
+    found = _field(model, name)
+    assert found.column  # _field checked it
+    return quote(found.column)
 
 
 def columns(model: str, prefix: str = "") -> str:
@@ -184,13 +194,12 @@ def insert_call() -> str:
     run_at defaults to the column's own default (Django's Now() is STATEMENT_TIMESTAMP()), which
     created_at also gets; it comes back as microseconds since the epoch.
     """
-    call = _meta("CallQueue")
     values = {}
     for name in NEW_CALL_FIELDS:
         if name == "run_at":
             values[name] = "COALESCE(%(run_at)s::timestamptz, STATEMENT_TIMESTAMP())"
         else:
-            values[name] = f"%({name})s::{_pg_type(call.get_field(name))}"
+            values[name] = f"%({name})s::{_pg_type(_field('CallQueue', name))}"
     values["status"] = "%(status)s"
     names, exprs = _insert("CallQueue", {**values, **_new_call_defaults()})
     return (
@@ -206,9 +215,8 @@ def insert_calls() -> str:
     The calls travel as two JSON documents that the server unpacks: the rows (every field of
     NEW_CALL_FIELDS but params) and the params, each an array in the same order.
     """
-    call = _meta("CallQueue")
     row_fields = [name for name in NEW_CALL_FIELDS if name != "params"]
-    record = ", ".join(f"{name} {_pg_type(call.get_field(name))}" for name in row_fields)
+    record = ", ".join(f"{name} {_pg_type(_field('CallQueue', name))}" for name in row_fields)
     values = {name: f"c.{name}" for name in NEW_CALL_FIELDS}
     values["run_at"] = "COALESCE(c.run_at, STATEMENT_TIMESTAMP())"
     values["status"] = "%(status)s"

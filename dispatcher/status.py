@@ -38,32 +38,8 @@ class PolicyUse:
     reserved: int = 0
 
     @property
-    def policy_key(self) -> str:
-        return self.policy.key
-
-    @property
-    def limit(self) -> int:
-        return self.policy.limit
-
-    @property
-    def period(self) -> timedelta:
-        return self.policy.period
-
-    @property
-    def concurrency(self) -> int | None:
-        return self.policy.concurrency
-
-    @property
-    def shape(self) -> str:
-        return self.policy.shape
-
-    @property
-    def capacity(self) -> int:
-        return self.policy.capacity()
-
-    @property
     def utilisation(self) -> float:
-        return self.used / self.capacity
+        return self.used / self.policy.capacity()
 
     @property
     def per_minute(self) -> float:
@@ -81,10 +57,10 @@ class PolicyUse:
 
     def usage_text(self) -> str:
         """Say how much of the policy is taken, in its own terms: "7/10 in the last 1m", "3/5 tokens spent"."""
-        if self.shape == "bucket":
-            text = f"{self.committed}/{self.capacity} tokens spent"
+        if self.policy.shape == "bucket":
+            text = f"{self.committed}/{self.policy.capacity()} tokens spent"
         else:
-            text = f"{self.committed}/{self.limit} in the last {format_duration(self.period)}"
+            text = f"{self.committed}/{self.policy.limit} in the last {format_duration(self.policy.period)}"
         return f"{text} ({self.reserved} dispatched, not started)" if self.reserved else text
 
 
@@ -112,7 +88,7 @@ class KeyStatus:
 
     @property
     def concurrency(self) -> int | None:
-        caps = [p.concurrency for p in self.policies if p.concurrency]
+        caps = [p.policy.concurrency for p in self.policies if p.policy.concurrency]
         return min(caps) if caps else None
 
     @property
@@ -128,7 +104,7 @@ class KeyStatus:
     @property
     def governed_by(self) -> str:
         """The policy key (exact or pattern) whose policies apply, or '' if none."""
-        return self.policies[0].policy_key if self.policies else ""
+        return self.policies[0].policy.key if self.policies else ""
 
     @property
     def drain_time(self) -> timedelta | None:
@@ -156,14 +132,14 @@ class KeyStatus:
             "governed_by": self.governed_by or None,
             "policies": [
                 {
-                    "policy_key": p.policy_key,
-                    "shape": p.shape,
-                    "limit": p.limit,
-                    "period_seconds": p.period.total_seconds(),
+                    "policy_key": p.policy.key,
+                    "shape": p.policy.shape,
+                    "limit": p.policy.limit,
+                    "period_seconds": p.policy.period.total_seconds(),
                     "burst": getattr(p.policy, "burst", None),
                     "explain": p.policy.explain(),
                     "used": p.used,
-                    "capacity": p.capacity,
+                    "capacity": p.policy.capacity(),
                     "utilisation": round(p.utilisation, 4),
                     **({"learnt": True} if p.learnt else {}),  # a limit the API announced
                 }

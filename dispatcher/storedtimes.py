@@ -22,7 +22,9 @@ log = logging.getLogger("dispatcher")
 def clamping_loader(base: type) -> type:
     """Return a subclass of a timestamptz loader that reads out-of-range values as a bound."""
 
-    class ClampingTimestamptzLoader(base):  # type: ignore[misc, valid-type]
+    class ClampingTimestamptzLoader(base):
+        _dispatcher_clamps = True
+
         def load(self, data: Any) -> Any:
             try:
                 return super().load(data)
@@ -52,6 +54,4 @@ def install(sender: Any, connection: Any, **kwargs: Any) -> None:
     current = adapters.get_loader(oid, Format.TEXT)
     if current is None or getattr(current, "_dispatcher_clamps", False):
         return
-    loader = clamping_loader(current)
-    loader._dispatcher_clamps = True
-    adapters.register_loader("timestamptz", loader)
+    adapters.register_loader("timestamptz", clamping_loader(current))

@@ -1,19 +1,28 @@
-"""A fake third-party API served on 127.0.0.1 inside the tests and benchmarks; it records every arrival.
+"""A fake third-party API on 127.0.0.1 for the tests, the benchmarks and the demo; it records every arrival.
 
-Its answer writer and policy shapes (``Window``, ``Bucket``, ``Smooth``) also serve the demo's partner.
+In the tests and benchmarks it runs in a thread of the test (``FakeAPI().start()``). The demo runs
+it as its partner in a process of its own, with published limits: ``python -m support.fakeapi
+--limit 20 --per 2 --concurrency 4 --tenant-limit 6``; see ``main()``. Control and statistics
+over HTTP: ``GET /_fake/stats`` and ``POST /_fake/limits`` (a JSON object of new limits).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import random
+import signal
 import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from support.windows import max_in_window  # noqa: F401 - re-exported for callers
+
+LIMIT_FIELDS = {"limit", "period", "concurrency", "tenant_limit", "announce"}
 
 
 def answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
@@ -35,6 +44,8 @@ class Arrival:
     tenant: str
     call: str
     units: int = 1
+    # The status it was answered with (0 until answered).
+    status: int = 0
 
 
 class Window:
@@ -58,7 +69,8 @@ class Bucket:
 
     def __init__(self, rate: float, burst: int) -> None:
         self.rate, self.burst = rate, burst
-        self.tokens, self.last = float(burst), None
+        self.tokens = float(burst)
+        self.last: float | None = None
 
     def admit(self, now: float, units: int) -> float | None:
         if self.last is not None:
@@ -74,7 +86,8 @@ class Smooth:
     """Refuses any request closer than ``interval`` seconds to the last one it admitted."""
 
     def __init__(self, interval: float) -> None:
-        self.interval, self.last = interval, None
+        self.interval = interval
+        self.last: float | None = None
 
     def admit(self, now: float, units: int) -> float | None:
         if self.last is not None and now - self.last < self.interval:
@@ -89,7 +102,10 @@ class FakeAPI:
     /limited/<id>?times=N&after=S (429 with Retry-After S, N times, then 200), /slow?delay=S.
 
     With ``enforce=(limit, period)`` the API itself answers 429 (Retry-After) to any request
-    beyond ``limit`` in the last ``period`` seconds, as a real partner would. With ``announce``
+    beyond ``limit`` in the last ``period`` seconds, as a real partner would; ``tenant_limit``
+    adds that many per period for each ``X-Tenant``, and ``concurrency`` a cap on requests served
+    at once. These apply to paths without a shape. ``latency`` (low, high) makes every request
+    served take a random time in that range, in seconds. With ``announce``
     it also states its limit on every answer: ``"x-seconds"`` (X-RateLimit-* with the reset in
     seconds), ``"x-epoch"`` (the reset as an epoch timestamp), ``"ietf"`` (RateLimit and
     RateLimit-Policy) or ``"retry-after"`` (nothing but Retry-After on its 429s).
@@ -113,6 +129,13 @@ class FakeAPI:
     max_in_flight: int = 0
     announce: str | None = None
     connections: int = 0
+    tenant_limit: int | None = None
+    concurrency: int | None = None
+    latency: tuple[float, float] | None = None
+    recent_by_tenant: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
+    # Requests admitted and not yet done with their work (concurrency counts these).
+    serving: int = 0
+    max_serving: int = 0
 
     def start(self) -> FakeAPI:
         api = self
@@ -153,16 +176,18 @@ class FakeAPI:
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
         now = time.time()
         length = int(req.headers.get("content-length") or 0)
-        if length:
-            req.rfile.read(length)
+        body = req.rfile.read(length) if length else b""
         parts = urlsplit(req.path)
+        if parts.path.startswith("/_fake/"):
+            return self._control(req, parts.path, body)
         query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         segments = [s for s in parts.path.split("/") if s]
         units = int(req.headers.get("x-cost") or 1)
+        tenant = req.headers.get("x-tenant", "")
+        arrival = Arrival(now, parts.path, tenant, req.headers.get("x-call", ""), units)
+        announced: dict[str, str] = {}
         with self.lock:
-            self.arrivals.append(
-                Arrival(now, parts.path, req.headers.get("x-tenant", ""), req.headers.get("x-call", ""), units)
-            )
+            self.arrivals.append(arrival)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             shape = self.shapes.get(segments[0] if segments else "")
@@ -172,44 +197,120 @@ class FakeAPI:
                     self.refused[segments[0]] += 1
                     self.rejected_429 += 1
                     self.in_flight -= 1
-                    return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": f"{wait:.3f}"})
-                self.answered.append(self.arrivals[-1])
-            if self.enforce is not None:
+                    return self._reply(req, arrival, 429, {"error": "slow down"}, {"Retry-After": f"{wait:.3f}"})
+                self.answered.append(arrival)
+            elif self.enforce is not None:
                 limit, period = self.enforce
-                while self.recent and self.recent[0] <= now - period:
-                    self.recent.popleft()
-                if len(self.recent) >= limit:
+                waits = self._waits(tenant, now, limit, period)
+                if waits:
                     self.rejected_429 += 1
                     self.rejected_at.append(now)
-                    retry = max(0.05, self.recent[0] + period - now)
+                    retry = max(0.05, *waits)
                     self.in_flight -= 1
                     headers = self._announced(limit, period, 0, retry, now) if self.announce else {}
                     headers.setdefault("Retry-After", f"{retry:.3f}" if not self.announce else str(math.ceil(retry)))
-                    return self._answer(req, 429, {"error": "slow down"}, headers)
+                    return self._reply(req, arrival, 429, {"error": "slow down"}, headers)
                 self.recent.append(now)
-                announced = (
-                    self._announced(limit, period, limit - len(self.recent), self.recent[0] + period - now, now)
-                    if self.announce else {}
-                )
-            counter_key = parts.path
-            self.counters[counter_key] += 1
-            seen = self.counters[counter_key]
+                if tenant and self.tenant_limit:
+                    self.recent_by_tenant[tenant].append(now)
+                if self.announce:
+                    reset = self.recent[max(len(self.recent) - limit, 0)] + period - now
+                    announced = self._announced(limit, period, max(limit - len(self.recent), 0), reset, now)
+            self.serving += 1
+            self.max_serving = max(self.max_serving, self.serving)
+            self.counters[parts.path] += 1
+            seen = self.counters[parts.path]
         try:
             kind = segments[0] if segments else "ok"
-            if kind == "slow":
-                time.sleep(float(query.get("delay", "0.2")))
+            try:
+                if kind == "slow":
+                    time.sleep(float(query.get("delay", "0.2")))
+                if self.latency is not None:
+                    time.sleep(random.uniform(*self.latency))
+            finally:
+                # Done before the answer is written: a client counts a request as in progress until
+                # it has read the answer, so it never sees more at once than ``serving``.
+                with self.lock:
+                    self.serving -= 1
             if kind == "fail" and seen <= int(query.get("times", "1")):
-                return self._answer(req, 500, {"error": "transient", "seen": seen})
+                return self._reply(req, arrival, 500, {"error": "transient", "seen": seen})
             if kind == "always500":
-                return self._answer(req, 500, {"error": "down"})
+                return self._reply(req, arrival, 500, {"error": "down"})
             if kind == "bad":
-                return self._answer(req, 400, {"error": "bad request"})
+                return self._reply(req, arrival, 400, {"error": "bad request"})
             if kind == "limited" and seen <= int(query.get("times", "1")):
-                return self._answer(req, 429, {"error": "slow down"}, {"Retry-After": query.get("after", "1")})
-            return self._answer(req, 200, {"ok": True, "seen": seen, "path": parts.path}, announced if self.enforce else None)
+                return self._reply(req, arrival, 429, {"error": "slow down"}, {"Retry-After": query.get("after", "1")})
+            return self._reply(req, arrival, 200, {"ok": True, "seen": seen, "path": parts.path}, announced)
         finally:
             with self.lock:
                 self.in_flight -= 1
+
+    def _waits(self, tenant: str, now: float, limit: int, period: float) -> list[float]:
+        """Seconds until each limit the request is beyond frees (none: it may be served); call under the lock."""
+        tenant_window = self.recent_by_tenant[tenant] if tenant and self.tenant_limit else None
+        for window in (self.recent, tenant_window):
+            while window and window[0] <= now - period:
+                window.popleft()
+        waits = []
+        if len(self.recent) >= limit:
+            waits.append(self.recent[len(self.recent) - limit] + period - now)
+        if tenant_window is not None and self.tenant_limit and len(tenant_window) >= self.tenant_limit:
+            waits.append(tenant_window[len(tenant_window) - self.tenant_limit] + period - now)
+        if self.concurrency is not None and self.serving >= self.concurrency:
+            waits.append(0.2)
+        return waits
+
+    def _reply(
+        self, req: BaseHTTPRequestHandler, arrival: Arrival, status: int, body: dict, headers: dict | None = None,
+    ) -> None:
+        arrival.status = status
+        answer(req, status, body, headers)
+
+    def _control(self, req: BaseHTTPRequestHandler, path: str, body: bytes) -> None:
+        """``GET /_fake/stats``; ``POST /_fake/limits`` with new limits (400 for an unknown or bad one)."""
+        if path == "/_fake/stats":
+            return answer(req, 200, self.stats())
+        if path == "/_fake/limits" and req.command == "POST":
+            try:
+                self.set_limits(**json.loads(body or b"{}"))
+            except (ValueError, TypeError) as exc:
+                return answer(req, 400, {"error": str(exc)})
+            return answer(req, 200, self.stats()["limits"])
+        answer(req, 404, {"error": f"no control endpoint {path}"})
+
+    def set_limits(self, **changes: Any) -> None:
+        """Change the published limits (limit, period, concurrency, tenant_limit, announce: 1 for the IETF fields)."""
+        unknown = set(changes) - LIMIT_FIELDS
+        if unknown:
+            raise ValueError(f"unknown limit fields: {', '.join(sorted(unknown))}")
+        with self.lock:
+            limit, period = self.enforce or (1, 1.0)
+            limit, period = int(changes.get("limit", limit)), float(changes.get("period", period))
+            concurrency = int(changes.get("concurrency", self.concurrency or 1))
+            tenant_limit = int(changes.get("tenant_limit", self.tenant_limit or 1))
+            if min(limit, period, concurrency, tenant_limit) <= 0:
+                raise ValueError("limits must be greater than zero")
+            self.enforce = (limit, period)
+            if "concurrency" in changes:
+                self.concurrency = concurrency
+            if "tenant_limit" in changes:
+                self.tenant_limit = tenant_limit
+            if "announce" in changes:
+                self.announce = "ietf" if int(changes["announce"]) else None
+
+    def stats(self) -> dict[str, Any]:
+        """The limits in force and every arrival as (time, tenant, status); the shaped /v2/ API's apart."""
+        with self.lock:
+            limit, period = self.enforce or (None, None)
+            return {
+                "limits": {
+                    "limit": limit, "period": period, "concurrency": self.concurrency,
+                    "tenant_limit": self.tenant_limit, "announce": int(self.announce is not None),
+                },
+                "arrivals": [(a.at, a.tenant, a.status) for a in self.arrivals if not a.path.startswith("/v2/")],
+                "bucket_arrivals": [(a.at, a.status) for a in self.arrivals if a.path.startswith("/v2/")],
+                "max_in_flight": self.max_serving,
+            }
 
     def _announced(self, limit: int, period: float, remaining: int, reset: float, now: float) -> dict[str, str]:
         """The headers with which the API states its limit, in the style chosen."""
@@ -224,10 +325,32 @@ class FakeAPI:
             }
         return {}
 
-    @staticmethod
-    def _answer(req: BaseHTTPRequestHandler, status: int, body: dict, headers: dict | None = None) -> None:
-        answer(req, status, body, headers)
-
     def times(self, predicate=lambda a: True) -> list[float]:
         with self.lock:
             return sorted(a.at for a in self.arrivals if predicate(a))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the demo's partner until SIGTERM or Ctrl-C: a window, per-tenant and concurrency limits, a bucket at /v2/."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--limit", type=int, default=20)
+    parser.add_argument("--per", type=float, default=2.0, help="period in seconds")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--tenant-limit", type=int, default=6)
+    parser.add_argument("--bucket-rate", type=float, default=4.0, help="/v2/: tokens per second")
+    parser.add_argument("--bucket-burst", type=int, default=12, help="/v2/: bucket depth")
+    args = parser.parse_args(argv)
+    api = FakeAPI(
+        enforce=(args.limit, args.per), concurrency=args.concurrency, tenant_limit=args.tenant_limit,
+        latency=(0.02, 0.08), shapes={"v2": Bucket(args.bucket_rate, args.bucket_burst)},
+    ).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"listening on {api.url}", flush=True)
+    stop.wait()
+    api.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,7 @@ class Processes:
         the n-th process of that name) or, prefixed with the name, to a stream."""
         env = {**self.env, **(extra_env or {})}
         log_path = None
+        proc: subprocess.Popen[Any]
         if prefix_output is not None:
             proc = subprocess.Popen(
                 list(args), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -10,32 +10,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import ROOT, Processes, wait_until
-
-
-def latency_spread(api, starts_by_call: dict[str, float]) -> float:
-    """Return how much the start-to-arrival latency varied across calls.
-
-    Arrivals at the API trail the recorded start by each request's own latency; two starts
-    exactly one period apart can arrive up to this much closer together.
-    """
-    latencies = [a.at - starts_by_call[a.call] for a in api.arrivals if a.call in starts_by_call]
-    return max(latencies) - min(latencies) if latencies else 0.0
-
-
-def http_call(api, path: str, tenant: str, n: int, **kwargs) -> CallQueue:
-    params = {"method": "GET", "url": f"{api.url}{path}", "headers": {"x-tenant": tenant, "x-call": str(n)}}
-    return CallQueue.objects.send("http", params, keys=["partner", f"tenant:{tenant}"], **kwargs)
-
-
-def start_times(key: str) -> list[float]:
-    return [t.timestamp() for t in KeyStart.objects.filter(key=key).values_list("started_at", flat=True)]
-
-
-def all_finished() -> bool:
-    return not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists()
+from tests.calls import all_finished, latency_spread, partner_call, start_times
 
 
 @pytest.mark.postgres
@@ -44,7 +22,7 @@ def test_many_dispensers_and_workers_never_exceed_any_policy(procs, fake_api):
     RateLimit.objects.set_policy("partner", 8, timedelta(seconds=1), concurrency=4)
     RateLimit.objects.set_policy("partner", 30, timedelta(seconds=5))
     RateLimit.objects.set_policy("tenant:*", 3, timedelta(seconds=1))
-    calls = [http_call(fake_api, "/slow?delay=0.3", "ab"[i % 2], i) for i in range(60)]
+    calls = [partner_call(fake_api, "/slow?delay=0.3", "ab"[i % 2], i) for i in range(60)]
     for _ in range(3):
         procs.worker(procs.queue, concurrency=2)
     for _ in range(3):
@@ -84,10 +62,10 @@ def test_many_dispensers_and_workers_never_exceed_any_policy(procs, fake_api):
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_retries_and_429_through_real_workers(procs, fake_api):
-    flaky = http_call(fake_api, "/fail/x?times=2", "a", 1)
-    broken = http_call(fake_api, "/always500", "a", 2)
-    refused = http_call(fake_api, "/bad", "a", 3)
-    limited = http_call(fake_api, "/limited/y?times=1&after=1", "b", 4)
+    flaky = partner_call(fake_api, "/fail/x?times=2", "a", 1)
+    broken = partner_call(fake_api, "/always500", "a", 2)
+    refused = partner_call(fake_api, "/bad", "a", 3)
+    limited = partner_call(fake_api, "/limited/y?times=1&after=1", "b", 4)
     procs.worker(procs.queue, concurrency=2)
     procs.dispenser()
     assert wait_until(all_finished, timeout=60, interval=0.3), procs.logs()
@@ -121,7 +99,7 @@ def test_a_duplicate_celery_message_runs_the_handler_once(procs, fake_api):
     from dispatcher.limiter import Policies
     from dispatcher.tasks import run_call
 
-    call = http_call(fake_api, "/ok/dup", "a", 1)
+    call = partner_call(fake_api, "/ok/dup", "a", 1)
     claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
     # This process's own broker is the embedded one; publish to the workers' Redis directly.
     with Connection(procs.env["CELERY_BROKER_URL"]) as conn:
@@ -137,7 +115,7 @@ def test_a_duplicate_celery_message_runs_the_handler_once(procs, fake_api):
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_publish_failure_leaves_the_call_waiting_until_the_broker_is_back(procs, fake_api):
-    call = http_call(fake_api, "/ok/late", "a", 1)
+    call = partner_call(fake_api, "/ok/late", "a", 1)
     procs.env["CELERY_BROKER_URL"], real_broker = "redis://127.0.0.1:1/0", procs.env["CELERY_BROKER_URL"]
     result = procs.manage("dispense")
     assert "put_back=1" in result.stdout, result.stdout + result.stderr

@@ -14,39 +14,17 @@ from dispatcher.clock import db_now
 from dispatcher.models import Attempt, CallQueue, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import wait_until
+from tests.calls import all_finished, http_call, statuses
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
-
-FINISHED = ("done", "failed", "cancelled")
 
 
 # --- helpers ------------------------------------------------------------------------------
 
 
 def send_http(fake_api, path: str, n: int, key: str = "api", tag: str = "c") -> list[int]:
-    ids = []
-    for i in range(n):
-        call = CallQueue.objects.send(
-            "http",
-            {"method": "GET", "url": f"{fake_api.url}{path}", "headers": {"x-call": f"{tag}{i}"}},
-            keys=[key],
-            max_attempts=5,
-        )
-        ids.append(call.id)
-    return ids
-
-
-def statuses(ids: list[int] | None = None) -> dict[str, int]:
-    calls = CallQueue.objects.all() if ids is None else CallQueue.objects.filter(id__in=ids)
-    counts: dict[str, int] = {}
-    for status in calls.values_list("status", flat=True):
-        counts[status] = counts.get(status, 0) + 1
-    return counts
-
-
-def all_finished(ids: list[int] | None = None) -> bool:
-    calls = CallQueue.objects.all() if ids is None else CallQueue.objects.filter(id__in=ids)
-    return not calls.exclude(status__in=FINISHED).exists()
+    """Send ``n`` calls of ``path`` under one key, tagged ``<tag><i>``, with five attempts each."""
+    return [http_call(fake_api, path, call=f"{tag}{i}", keys=[key], max_attempts=5).id for i in range(n)]
 
 
 def rescue_until_finished(procs, ids: list[int] | None, timeout: float) -> bool:

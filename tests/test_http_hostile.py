@@ -16,7 +16,7 @@ from dispatcher import PermanentError
 from dispatcher.exceptions import InvalidParams
 from dispatcher.handlers import RetryableHTTPError, http, validate_http
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
-from support.fakeapi import FakeAPI
+from support.fakeapi import answer
 
 pytestmark = pytest.mark.django_db
 
@@ -161,8 +161,8 @@ def test_timeout_bounds_trickling_headers_too():
 
 
 def test_a_secret_goes_only_to_the_hosts_and_header_it_is_bound_to(settings, serve):
-    partner = serve(lambda req: FakeAPI._answer(req, 200, {"ok": True}))
-    other = serve(lambda req: FakeAPI._answer(req, 200, {"ok": True}))
+    partner = serve(lambda req: answer(req, 200, {"ok": True}))
+    other = serve(lambda req: answer(req, 200, {"ok": True}))
     settings.DISPATCHER_HTTP_SECRETS = f"PARTNER_TOKEN:Authorization@{partner.url.removeprefix('http://')}"
     settings.PARTNER_TOKEN = "Bearer s3cr3t"
     token = {"secret": "PARTNER_TOKEN"}
@@ -179,7 +179,7 @@ def test_a_secret_goes_only_to_the_hosts_and_header_it_is_bound_to(settings, ser
 
 
 def test_a_secret_a_header_cannot_carry_fails_without_showing_it(settings, serve):
-    server = serve(lambda req: FakeAPI._answer(req, 200, {"ok": True}))
+    server = serve(lambda req: answer(req, 200, {"ok": True}))
     settings.DISPATCHER_HTTP_SECRETS = "PARTNER_TOKEN"
     settings.PARTNER_TOKEN = "Bearer s3cr3t\n"
     with pytest.raises(PermanentError) as failure:
@@ -192,7 +192,7 @@ def test_a_bad_secret_shows_nowhere_in_the_call_or_the_logs(settings, serve, cap
     from dispatcher.worker import execute
     from tests.test_lifecycle import claim_one
 
-    server = serve(lambda req: FakeAPI._answer(req, 200, {"ok": True}))
+    server = serve(lambda req: answer(req, 200, {"ok": True}))
     settings.DISPATCHER_HTTP_SECRETS = "PARTNER_TOKEN"
     settings.PARTNER_TOKEN = "Bearer s3cr3t\n"
     call = CallQueue.objects.send("http", {"method": "GET", "url": f"{server.url}/", "headers": {"Authorization": {"secret": "PARTNER_TOKEN"}}})
@@ -205,7 +205,7 @@ def test_a_bad_secret_shows_nowhere_in_the_call_or_the_logs(settings, serve, cap
 
 
 def test_an_echoed_secret_is_scrubbed_from_the_stored_body(settings, serve):
-    server = serve(lambda req: FakeAPI._answer(req, 500, {"echo": req.headers["Authorization"]}))
+    server = serve(lambda req: answer(req, 500, {"echo": req.headers["Authorization"]}))
     settings.DISPATCHER_HTTP_SECRETS = "PARTNER_TOKEN"
     settings.PARTNER_TOKEN = "Bearer s3cr3t"
     with pytest.raises(RetryableHTTPError) as failure:
@@ -293,7 +293,7 @@ def test_closed_and_non_http_ports_fail_with_the_same_text(settings):
 
 
 def test_a_name_that_resolves_to_loopback_is_refused_unless_allowed(settings, serve):
-    server = serve(lambda req: FakeAPI._answer(req, 200, {"ok": True}))
+    server = serve(lambda req: answer(req, 200, {"ok": True}))
     port = server.url.rsplit(":", 1)[1]
     settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["localhost:*"]
     with pytest.raises(PermanentError, match="loopback, private or link-local"):
@@ -308,15 +308,7 @@ def test_the_pooled_client_reuses_connections_and_keeps_no_cookies(fake_api, ser
         assert http(method="GET", url=f"{fake_api.url}/ok")["status"] == 200
     assert fake_api.connections == 1
 
-    def set_cookie(req):
-        body = b"{}"
-        req.send_response(200)
-        req.send_header("Set-Cookie", "session=abc; Path=/")
-        req.send_header("Content-Length", str(len(body)))
-        req.end_headers()
-        req.wfile.write(body)
-
-    server = serve(set_cookie)
+    server = serve(lambda req: answer(req, 200, {}, {"Set-Cookie": "session=abc; Path=/"}))
     http(method="GET", url=f"{server.url}/")
     http(method="GET", url=f"{server.url}/")
     assert "Cookie" not in server.seen[1]

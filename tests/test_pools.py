@@ -12,7 +12,7 @@ import pytest
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
 from support.processes import wait_until
 from support.windows import max_in_window
-from tests.test_end_to_end import all_finished, http_call, latency_spread, start_times
+from tests.calls import all_finished, latency_spread, partner_call, start_times
 
 CALLS = 60
 
@@ -46,7 +46,7 @@ class ConnectionSampler(threading.Thread):
 def test_a_threads_or_gevent_worker_runs_every_call_once_within_every_policy(procs, fake_api, pool, concurrency):
     RateLimit.objects.set_policy("partner", 12, timedelta(seconds=1), concurrency=5)
     RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
-    calls = [http_call(fake_api, "/slow?delay=0.25", "ab"[i % 2], i) for i in range(CALLS)]
+    calls = [partner_call(fake_api, "/slow?delay=0.25", "ab"[i % 2], i) for i in range(CALLS)]
     sampler = ConnectionSampler(procs.env["DATABASE_URL"])
     sampler.start()
     procs.worker(procs.queue, concurrency=concurrency, pool=pool)

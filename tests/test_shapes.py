@@ -83,7 +83,7 @@ def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
     (bucket,) = KeyBucket.objects.filter(key="greeter")
     assert bucket.period == timedelta(minutes=1)
     (status,) = key_statuses(["greeter"])
-    assert (status.policies[0].used, status.policies[0].capacity) == (3, 3)
+    assert (status.policies[0].used, status.policies[0].policy.capacity()) == (3, 3)
 
 
 def test_a_pattern_bucket_gives_every_key_its_own_bucket(settings):

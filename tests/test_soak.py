@@ -11,7 +11,8 @@ import pytest
 
 from dispatcher.models import Attempt, CallQueue, RateLimit
 from support.fakeapi import max_in_window
-from tests.test_faults import all_finished, terminate_other_backends
+from tests.calls import all_finished
+from tests.test_faults import terminate_other_backends
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

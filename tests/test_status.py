@@ -36,7 +36,7 @@ def busy_key(make_call):
 
 def test_key_status_counts_window_flight_and_backlog(busy_key):
     (status,) = live.key_statuses(["api"])
-    assert [(p.limit, p.period, p.used) for p in status.policies] == [(3, timedelta(minutes=1), 2)]
+    assert [(p.policy.limit, p.policy.period, p.used) for p in status.policies] == [(3, timedelta(minutes=1), 2)]
     assert (status.reserved, status.running, status.in_flight, status.concurrency) == (1, 0, 1, 2)
     assert (status.waiting, status.due) == (4, 3)
     assert 295 <= status.oldest_wait.total_seconds() <= 330

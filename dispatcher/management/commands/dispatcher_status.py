@@ -75,7 +75,7 @@ class Command(BaseCommand):
         rows = [header]
         for s in statuses:
             policies = ", ".join(p.label() for p in s.policies) or "no limit"
-            used = ", ".join(f"{p.used}/{p.capacity}" for p in s.policies) or "-"
+            used = ", ".join(f"{p.used}/{p.policy.capacity()}" for p in s.policies) or "-"
             flight = f"{s.in_flight}/{s.concurrency}" if s.concurrency else str(s.in_flight)
             paused = humanize(s.paused_until, s.now) if s.paused_until else "-"
             if s.blocked:

@@ -101,7 +101,8 @@ class Command(BaseCommand):
     def do_list(self, as_json: bool = False, **_: Any) -> None:
         policies = list(RateLimit.objects.order_by("key", "period"))
         # Only pauses still in force: an expired pause binds nothing.
-        pauses = list(KeyState.objects.filter(paused_until__gt=db_now()).order_by("key"))
+        in_force = KeyState.objects.filter(paused_until__gt=db_now()).order_by("key")
+        pauses = [(s.key, s.paused_until, s.pause_reason) for s in in_force if s.paused_until is not None]
         if as_json:
             self.stdout.write(json.dumps({
                 "policies": [
@@ -111,7 +112,7 @@ class Command(BaseCommand):
                     }
                     for p in policies
                 ],
-                "pauses": [{"key": s.key, "paused_until": s.paused_until.isoformat(), "reason": s.pause_reason} for s in pauses],
+                "pauses": [{"key": key, "paused_until": until.isoformat(), "reason": reason} for key, until, reason in pauses],
             }, indent=2))
             return
         if not policies:
@@ -122,9 +123,9 @@ class Command(BaseCommand):
             shape = p.as_policy().shape
             self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8} {shape:<6}{burst}{cap}")
         now = db_now()
-        for s in pauses:
-            reason = f" ({s.pause_reason})" if s.pause_reason else ""
-            self.stdout.write(f"paused {s.key} until {format_moment(s.paused_until, now)}{reason}")
+        for key, until, reason in pauses:
+            why = f" ({reason})" if reason else ""
+            self.stdout.write(f"paused {key} until {format_moment(until, now)}{why}")
 
     def do_pause(self, key: str, duration: str, create: bool = False, **_: Any) -> None:
         key = _key(key)
