@@ -119,11 +119,10 @@ def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
     """Return the keys whose other running calls already use up what the API says remains."""
     if not found.remaining or not found.reset or found.wait() is not None:
         return []
-    from dispatcher.models import KeyState
+    from dispatcher.limiter import running_by_key
 
     # The call being answered is one of the running ones, and the API counted it already.
-    running = KeyState.objects.filter(key__in=keys).values_list("key", "running")
-    return [key for key, n in running if n - 1 >= found.remaining]
+    return [key for key, n in running_by_key(keys).items() if n - 1 >= found.remaining]
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:

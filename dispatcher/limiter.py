@@ -256,19 +256,29 @@ def _select_for_update(ordered: list[str]) -> dict[str, models.Model]:
 def read_policies(
     governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], now: datetime
 ) -> dict[str, list[Reading]]:
-    """Return, per key, what storage says about each of its policies at ``now``; one query.
+    """Return, per key, what storage says about each of its policies at ``now``; one query."""
+    return read_keys(governed, states, now)[0]
+
+
+def read_keys(
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], now: datetime
+) -> tuple[dict[str, list[Reading]], dict[str, int]]:
+    """Return, per key, what storage says about each of its policies at ``now``, and, for the keys
+    with a concurrency cap, how many of their calls are running; one query.
 
     A window: the units in it, its key's running total less the running total before the
     window's first start (an index probe, whatever the window holds). A bucket: its timestamp.
+    Running calls are counted from the calls themselves (no counter: a finish locks no key).
     """
     from dispatcher.models import KeyBucket, KeyStart
 
     if not governed:
-        return {}
+        return {}, {}
     # All probes in one row; hand-written because the ORM compiles many filtered subqueries
     # more slowly than the database runs them.
     adapt = connection.ops.adapt_datetimefield_value
     columns, params = [], []
+    capped = [key for key, policies in governed.items() if any(p.concurrency for p in policies)]
     for key, policies in governed.items():
         for policy in policies:
             if isinstance(policy, TokenBucket):
@@ -280,6 +290,9 @@ def read_policies(
                     " ORDER BY started_at, cum LIMIT 1)"
                 )
                 params += [key, adapt(now - policy.span)]
+    for key in capped:
+        columns.append(_RUNNING_OF_KEY_SQL[connection.vendor == "postgresql"])
+        params.append(key)
     with connection.cursor() as cursor:
         cursor.execute("SELECT " + ", ".join(columns), params)
         row = iter(cursor.fetchone())
@@ -287,7 +300,34 @@ def read_policies(
     for key, policies in governed.items():
         total = getattr(states.get(key), "total", 0) or 0
         readings[key] = [_reading(key, policy, next(row), total) for policy in policies]
-    return readings
+    return readings, {key: next(row) for key in capped}
+
+
+# How many running calls have a key, read through the partial index on calls in flight (its
+# first column is the status, so only running calls are scanned). Exact under the key's lock:
+# a call becomes running only in a start holding that lock, and a finish committed after this
+# statement's snapshot is counted as still running, which errs on the side of the cap.
+_RUNNING_OF_KEY_SQL = {
+    True: "(SELECT COUNT(*) FROM dispatcher_call WHERE status = 'running' AND jsonb_exists(key_set::jsonb, %s))",
+    False: (
+        "(SELECT COUNT(*) FROM dispatcher_call WHERE status = 'running'"
+        " AND EXISTS (SELECT 1 FROM json_each(dispatcher_call.key_set) AS k WHERE k.value = %s))"
+    ),
+}
+
+
+def running_by_key(keys: Iterable[str] | None = None) -> dict[str, int]:
+    """Return how many calls are running per key (of ``keys`` if given); for display and signals."""
+    from dispatcher.keys import parse_key_set
+    from dispatcher.models import CallQueue
+
+    wanted = set(keys) if keys is not None else None
+    counts: dict[str, int] = {}
+    for text in CallQueue.objects.filter(status="running").values_list("key_set", flat=True).iterator():
+        for key in parse_key_set(text):
+            if wanted is None or key in wanted:
+                counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _reading(key: str, policy: PolicyShape, value: int | None, total: int) -> Reading:
@@ -315,12 +355,14 @@ def check_key(
     for_start: bool,
     readings: Sequence[Reading] | None = None,
     cost: int = 1,
+    running: int | None = None,
 ) -> Verdict:
     """Return the room (in units) a key has now for a call of ``cost`` units.
 
     For a dispense (``for_start=False``) calls already dispatched but not started count as
     if they had started; at the start itself only real starts and running calls count.
-    ``readings`` are the key's policy readings if already read (see ``read_policies``).
+    ``readings`` are the key's policy readings and ``running`` its running calls if already read
+    (see ``read_keys``).
     """
     paused_until = _paused_until(key, state, now, policies)
     if paused_until is not None:
@@ -332,9 +374,12 @@ def check_key(
     reserved_units = 0 if for_start else max(getattr(state, "reserved_units", 0) or 0, 0)
     verdicts: list[Verdict] = []
     caps = [p.concurrency for p in governing if p.concurrency]
+    if caps and (readings is None or running is None):
+        found, counts = read_keys({key: governing}, {key: state}, now)
+        readings, running = found[key], counts[key]
     if caps:
         cap = min(caps)
-        busy = max(state.running, 0) + reserved
+        busy = (running or 0) + reserved
         verdicts.append(Verdict(
             room=cap - busy, until=None, reason=f"concurrency {busy}/{cap}", key=key,
             kind=Hold.CONCURRENCY if cap - busy <= 0 else None,
@@ -375,11 +420,12 @@ def assess(
         k: governing for k, governing in governed.items()
         if governing and _paused_until(k, states[k], now, policies) is None
     }
-    readings = read_policies(to_read, states, now)
+    readings, running = read_keys(to_read, states, now)
     costs = costs or {}
     verdicts = {
         k: check_key(
-            k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1)
+            k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1),
+            running=running.get(k, 0),
         )
         for k in keys
     }
@@ -484,26 +530,22 @@ def adjust(
     keys: Sequence[str],
     *,
     reserved: int = 0,
-    running: int = 0,
     units: Mapping[str, int] | None = None,
     totals: Mapping[str, int] | None = None,
 ) -> None:
-    """Move the in-flight counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
+    """Move the reserved counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
 
-    ``totals`` sets the keys' running totals of units started (a start's new totals).
+    ``totals`` sets the keys' running totals of units started (a start's new totals). Running
+    calls have no counter: a capped key counts them from the calls at its check (``read_keys``).
     """
     from dispatcher.models import KeyState
 
-    if not keys or (reserved == 0 and running == 0):
-        return
-    if reserved == 0 and not totals:
-        KeyState.objects.filter(key__in=list(keys)).update(running=models.F("running") + running)
+    if not keys or reserved == 0:
         return
     if units is None and not totals:
         KeyState.objects.filter(key__in=list(keys)).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + reserved,
-            running=models.F("running") + running,
         )
         return
     # Per key: each moves by its own units, and a start sets each key's own running total.
@@ -512,7 +554,6 @@ def adjust(
         KeyState.objects.filter(key=key).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
-            running=models.F("running") + running,
             **({"total": totals[key]} if totals else {}),
         )
 

@@ -640,7 +640,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
         limiter.record_starts(now, record, call_id)
         limiter.adjust(
-            keys, reserved=-1, running=1, units={key: units for key, units, _ in record.log},
+            keys, reserved=-1, units={key: units for key, units, _ in record.log},
             totals={key: cum for key, _, cum in record.log},
         )
         return call, attempt
@@ -677,8 +677,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
             ), counters AS (
                 UPDATE {KeyState._meta.db_table} AS state
-                SET reserved = reserved - 1, reserved_units = reserved_units - log.units,
-                    running = running + 1, total = log.cum
+                SET reserved = reserved - 1, reserved_units = reserved_units - log.units, total = log.cum
                 FROM unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[]) AS log(key, units, cum)
                 WHERE state.key = log.key AND EXISTS (SELECT 1 FROM started)
             )
@@ -709,24 +708,20 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
         keys = parse_key_set(call.key_set)
         error = error[:MAX_ERROR_CHARS]
+        # No key is locked: running calls have no counter (a capped key counts its running calls
+        # at each check, under its lock), so finishes never wait on the starts of their keys.
         if connections[self.db].vendor == "postgresql":
-            # One statement, atomic by itself, that also locks the key rows (in key order). Its
-            # call row may be locked before them, the reverse of a start; only a rescue of this
-            # very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first
-            # start takes both the other way, and then PostgreSQL ends one of the two: a finish
-            # is retried by the worker, a duplicate start does nothing.
+            # One statement, atomic by itself.
             now = db_now()
             changes, wake = self._finish_changes(changes, now, keys, wake)
-            won = self._finish_returning(call, attempt.id, keys, now, outcome, error, changes, wake)
+            won = self._finish_returning(call, attempt.id, now, outcome, error, changes, wake)
         else:
             with transaction.atomic(using=self.db):
-                limiter.lock_keys(keys)
                 now = db_now()
                 changes, wake = self._finish_changes(changes, now, keys, wake)
                 won = bool(self.filter(id=call.id, status=RUNNING, dispatch_no=call.dispatch_no).update(**changes))
                 if won:
                     Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome=outcome, error=error)
-                    limiter.adjust(keys, running=-1)
                     if wake:
                         limiter.wake_dispensers()
         if not won:
@@ -744,11 +739,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         return changes, changes.get("status") == PENDING or (wake and bool(keys))
 
     def _finish_returning(
-        self, call: CallQueue, attempt_id: int, keys: list[str], now: datetime, outcome: str, error: str,
+        self, call: CallQueue, attempt_id: int, now: datetime, outcome: str, error: str,
         changes: dict[str, Any], wake: bool,
     ) -> bool:
-        """Record the finish in one statement: the guarded update, the attempt, the counters, the wake-up."""
-        from dispatcher.models import Attempt, KeyState
+        """Record the finish in one statement: the guarded update, the attempt, the wake-up."""
+        from dispatcher.models import Attempt
 
         db = connections[self.db]
         sets, values = [], []
@@ -756,28 +751,21 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             field = self.model._meta.get_field(name)
             sets.append(f"{db.ops.quote_name(field.column)} = %s")
             values.append(field.get_db_prep_save(value, db))
-        # The key rows are locked in key order, as every other locker of several keys does;
-        # the counters' UPDATE only touches rows that "locked" already holds.
         sql = f"""
-            WITH locked AS (
-                SELECT key FROM {KeyState._meta.db_table} WHERE key = ANY(%s::text[]) ORDER BY key FOR UPDATE
-            ), finished AS (
+            WITH finished AS (
                 UPDATE {self.model._meta.db_table} SET {", ".join(sets)}
                 WHERE id = %s AND status = %s AND dispatch_no = %s
                 RETURNING id
             ), attempt AS (
                 UPDATE {Attempt._meta.db_table} SET finished_at = %s, outcome = %s, error = %s
                 WHERE id = %s AND EXISTS (SELECT 1 FROM finished)
-            ), counters AS (
-                UPDATE {KeyState._meta.db_table} SET running = running - 1
-                WHERE key IN (SELECT key FROM locked) AND EXISTS (SELECT 1 FROM finished)
             ), wake AS (
                 SELECT pg_notify(%s, '') FROM finished WHERE %s
             )
             SELECT (SELECT COUNT(*) FROM finished), (SELECT COUNT(*) FROM wake)
         """
         params = [
-            keys, *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
+            *values, call.id, RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
             limiter.WAKE_CHANNEL, wake,
         ]
         with db.cursor() as cursor:
@@ -835,7 +823,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 return False
             Attempt.objects.filter(id=attempt.id).update(finished_at=now, outcome="rate_limited", error=error[:MAX_ERROR_CHARS])
             limiter.pause(paused, until, reason=f"429 from call #{call.id}")
-            limiter.adjust(keys, running=-1)
         return True
 
     def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
@@ -951,7 +938,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         status=PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
                     )
                     outcome = "running"
-                limiter.adjust(keys, running=-1)
             else:
                 return ""
             limiter.wake_dispensers()

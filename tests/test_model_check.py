@@ -246,7 +246,8 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             for key, starts in self.starts.items():
                 truth[key][3] = sum(u for _, u, _ in starts)
             for state in KeyState.objects.exclude(key__endswith="*"):
-                counters = [state.reserved, state.running, state.reserved_units, state.total]
+                running = limiter.running_by_key([state.key]).get(state.key, 0)
+                counters = [state.reserved, running, state.reserved_units, state.total]
                 assert counters == truth.get(state.key, [0, 0, 0, 0]), state.key
 
         @invariant()

@@ -75,7 +75,7 @@ def test_a_threads_or_gevent_worker_runs_every_call_once_within_every_policy(pro
     for tenant in "ab":
         assert max_in_window(fake_api.times(lambda a, t=tenant: a.tenant == t), 1.0 - spread) <= 5
     assert not KeyState.objects.filter(reserved__gt=0).exists()
-    assert not KeyState.objects.filter(running__gt=0).exists()
+    assert not CallQueue.objects.filter(status="running").exists()
     # One pooled HTTP client per process: the calls reused a handful of kept-alive connections.
     assert fake_api.connections <= concurrency
     # Database sessions stay within the pool's size (plus the two dispensers, the worker's main
