@@ -593,6 +593,9 @@ def dispenser_memory(ctx: Context) -> list[Figure]:
 def _http_env() -> dict[str, str]:
     # The fake APIs listen on 127.0.0.1 at ports the OS picks.
     os.environ["DISPATCHER_HTTP_ALLOWED_HOSTS"] = "127.0.0.1:*"
+    from dispatcher.conf import dispatcher_settings
+
+    dispatcher_settings.reload()  # settings are read once per process
     return {"DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1:*"}
 
 
