@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
+from django.core.signals import setting_changed
 from django.db import connection, models
 from django.db.models import Q
 
@@ -52,6 +54,8 @@ class Policies:
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
     learnt: dict[str, list[Policy]] = field(default_factory=dict)
+    # When the first of the learnt limits expires (these policies are not current after it).
+    learnt_until: datetime | None = None
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -88,13 +92,19 @@ class Policies:
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
         # and the LEFT JOIN returns it even when no policy exists.
+        # The version is read in the same snapshot as the policies: the pair is kept for later
+        # starts of this process (``policies_for_start``).
         sql, params = _policies_sql()
         with connection.cursor() as cursor:
             cursor.execute(
-                f"SELECT c.now, p.* FROM (SELECT clock_timestamp() AS now) c LEFT JOIN ({sql}) p ON TRUE", params
+                f"SELECT c.now, c.version, p.* FROM (SELECT clock_timestamp() AS now, {_VERSION_SQL} AS version) c"
+                f" LEFT JOIN ({sql}) p ON TRUE",
+                params,
             )
             rows = cursor.fetchall()
-        return cls._from_db_rows([row[1:] for row in rows if row[1] is not None]), rows[0][0]
+        policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
+        _remember(rows[0][1], policies)
+        return policies, rows[0][0]
 
     @classmethod
     def _from_db_rows(cls, rows: Iterable[tuple]) -> Policies:
@@ -104,16 +114,20 @@ class Policies:
         policies: list[PolicyShape] = []
         pattern_pauses: dict[str, datetime] = {}
         learnt: dict[str, list[PolicyShape]] = {}
+        expiries: list[datetime] = []
         for key, limit, period, burst, concurrency, until in rows:
             if concurrency == LEARNT:
                 # Learnt limits are windows that absorb the same arrival guard as configured ones.
                 learnt.setdefault(key, []).append(SlidingWindow(key, limit, period, None, guard))
+                if until is not None:
+                    expiries.append(until)
             elif until is not None:
                 pattern_pauses[key] = until
             else:
                 policies.append(make_policy(key, limit, period, burst, concurrency, guard))
         loaded = cls.from_rows(policies, pattern_pauses)
         loaded.learnt = learnt
+        loaded.learnt_until = min(expiries, default=None)
         return loaded
 
     def configured_for_key(self, key: str) -> list[PolicyShape]:
@@ -154,7 +168,7 @@ class Policies:
 
 def _policies_query() -> models.QuerySet:
     """The policies, then the pattern pauses with the policy columns empty, then the unexpired
-    learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
+    learnt limits marked by a concurrency of ``LEARNT`` with their expiry: one round trip."""
     from django.db.models.functions import Now
 
     from dispatcher.models import KeyState, LearntLimit, RateLimit
@@ -170,8 +184,8 @@ def _policies_query() -> models.QuerySet:
     ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
     learnt = LearntLimit.objects.order_by().filter(expires_at__gt=Now()).annotate(
         no_burst=models.Value(None, models.IntegerField()),
-        marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
-    ).values_list("key", "limit", "period", "no_burst", "marker", "no_until")
+        marker=models.Value(LEARNT, models.IntegerField()),
+    ).values_list("key", "limit", "period", "no_burst", "marker", "expires_at")
     return policies.union(pauses, learnt, all=True)
 
 
@@ -179,6 +193,76 @@ def _policies_query() -> models.QuerySet:
 def _policies_sql() -> tuple[str, tuple]:
     query = _policies_query().query
     return query.get_compiler(connection=connection).as_sql()
+
+
+# The version of the policies (PostgreSQL: migration 0008, bumped by every edit of what
+# ``Policies.load`` reads); NULL if its row is missing, which only disables the cache.
+_VERSION_SQL = "(SELECT version FROM dispatcher_policy_version WHERE id = 1)"
+
+# The policies this process read last and the version they were read at, shared by its threads.
+_kept: tuple[int, Policies] | None = None
+
+
+def _remember(version: int | None, policies: Policies) -> None:
+    global _kept
+    _kept = (version, policies) if version is not None else None
+
+
+def forget_policies(*, setting: str = "DISPATCHER_", **kwargs: object) -> None:
+    """Drop the kept policies (Django's setting_changed: the arrival guard shapes them)."""
+    global _kept
+    if setting.startswith("DISPATCHER_"):
+        _kept = None
+
+
+setting_changed.connect(forget_policies, dispatch_uid="dispatcher.limiter.forget_policies")
+
+
+@dataclass
+class Read:
+    """What a start read in one statement: readings and running calls of its keys (see ``read_keys``)."""
+
+    readings: dict[str, list[Reading]]
+    running: dict[str, int]
+
+
+def policies_for_start(
+    keys: Sequence[str], states: Mapping[str, models.Model]
+) -> tuple[Policies, datetime, Read | None]:
+    """Return the policies, the database clock and, when it could, what the keys' policies read;
+    call after ``lock_keys``.
+
+    On PostgreSQL a process keeps the policies it read last: one statement then reads the clock,
+    the policies' version and the keys' probes (computed with the kept policies), and the
+    policies themselves only if the version moved or a kept learnt limit expired; then the probes
+    are not returned (``assess`` reads them with the policies of now). Exact as reading the
+    policies at every start: the version is read after the lock wait, in the same snapshot as
+    the policies, so an edit committed before it binds this start.
+    """
+    kept = _kept
+    if kept is None or connection.vendor != "postgresql":
+        policies, now = Policies.load_with_clock()
+        return policies, now, None
+    version, policies = kept
+    governed = {key: governing for key in keys if (governing := policies.for_key(key))}
+    columns, params = _probe_columns(governed, lambda span: ("c.now - %s", span))
+    sql, policy_params = _policies_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH c AS MATERIALIZED (SELECT clock_timestamp() AS now, {_VERSION_SQL} AS version)"
+            f" SELECT c.now, c.version{''.join(', ' + column for column in columns)}, p.*"
+            f" FROM c LEFT JOIN ({sql}) p ON (c.version IS DISTINCT FROM %s OR c.now >= %s)",
+            [*params, *policy_params, version, policies.learnt_until],
+        )
+        rows = cursor.fetchall()
+    now, current = rows[0][0], rows[0][1]
+    if current != version or (policies.learnt_until is not None and policies.learnt_until <= now):
+        skip = 2 + len(columns)
+        policies = Policies._from_db_rows([row[skip:] for row in rows if row[skip] is not None])
+        _remember(current, policies)
+        return policies, now, None
+    readings, running = _from_probes(governed, states, iter(rows[0][2:]))
+    return policies, now, Read(readings, running)
 
 
 class Hold(enum.StrEnum):
@@ -270,37 +354,54 @@ def read_keys(
     window's first start (an index probe, whatever the window holds). A bucket: its timestamp.
     Running calls are counted from the calls themselves (no counter: a finish locks no key).
     """
-    from dispatcher.models import KeyBucket, KeyStart
-
     if not governed:
         return {}, {}
     # All probes in one row; hand-written because the ORM compiles many filtered subqueries
     # more slowly than the database runs them.
     adapt = connection.ops.adapt_datetimefield_value
+    columns, params = _probe_columns(governed, lambda span: ("%s", adapt(now - span)))
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT " + ", ".join(columns), params)
+        row = iter(cursor.fetchone())
+    return _from_probes(governed, states, row)
+
+
+def _probe_columns(
+    governed: Mapping[str, Sequence[PolicyShape]], window_start: Callable[[timedelta], tuple[str, object]]
+) -> tuple[list[str], list[object]]:
+    """Return the probes of ``read_keys`` as columns and their parameters; ``window_start`` gives
+    the SQL (and its parameter) of the earliest start a window of a given span counts."""
+    from dispatcher.models import KeyBucket, KeyStart
+
     columns, params = [], []
-    capped = [key for key, policies in governed.items() if any(p.concurrency for p in policies)]
     for key, policies in governed.items():
         for policy in policies:
             if isinstance(policy, TokenBucket):
                 columns.append(f"(SELECT tat_us FROM {KeyBucket._meta.db_table} WHERE key = %s AND period = %s)")
                 params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
             else:
+                since, param = window_start(policy.span)
                 columns.append(
-                    f"(SELECT cum - units FROM {KeyStart._meta.db_table} WHERE key = %s AND started_at >= %s"
+                    f"(SELECT cum - units FROM {KeyStart._meta.db_table} WHERE key = %s AND started_at >= {since}"
                     " ORDER BY started_at, cum LIMIT 1)"
                 )
-                params += [key, adapt(now - policy.span)]
-    for key in capped:
-        columns.append(_RUNNING_OF_KEY_SQL[connection.vendor == "postgresql"])
-        params.append(key)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT " + ", ".join(columns), params)
-        row = iter(cursor.fetchone())
+                params += [key, param]
+    for key, policies in governed.items():
+        if any(p.concurrency for p in policies):
+            columns.append(_RUNNING_OF_KEY_SQL[connection.vendor == "postgresql"])
+            params.append(key)
+    return columns, params
+
+
+def _from_probes(
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, models.Model], row: Iterator[Any]
+) -> tuple[dict[str, list[Reading]], dict[str, int]]:
     readings: dict[str, list[Reading]] = {}
     for key, policies in governed.items():
         total = getattr(states.get(key), "total", 0) or 0
         readings[key] = [_reading(key, policy, next(row), total) for policy in policies]
-    return readings, {key: next(row) for key in capped}
+    running = {key: next(row) for key, policies in governed.items() if any(p.concurrency for p in policies)}
+    return readings, running
 
 
 # How many running calls have a key, read through the partial index on calls in flight (its
@@ -412,15 +513,16 @@ def assess(
     *,
     for_start: bool,
     costs: Mapping[str, int] | None = None,
+    read: Read | None = None,
 ) -> Assessment:
-    """Judge every key, reading all their policies in one query."""
+    """Judge every key, reading all their policies in one query (none if ``read`` has them)."""
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
         k: governing for k, governing in governed.items()
         if governing and _paused_until(k, states[k], now, policies) is None
     }
-    readings, running = read_keys(to_read, states, now)
+    readings, running = (read.readings, read.running) if read is not None else read_keys(to_read, states, now)
     costs = costs or {}
     verdicts = {
         k: check_key(

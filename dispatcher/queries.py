@@ -582,11 +582,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         with transaction.atomic(using=self.db):
             if keys:
                 states = limiter.lock_keys(keys)
-                # Read after the lock wait, so a policy edit committed meanwhile binds this start.
-                policies, now = limiter.Policies.load_with_clock()
+                # Read after the lock wait, so a policy edit committed meanwhile binds this start;
+                # with the policies this process kept, in the statement that reads the windows.
+                policies, now, read = limiter.policies_for_start(keys, states)
                 # Re-checked at the start itself: a message may have waited in the broker while
                 # the window filled, a policy tightened or a pause began.
-                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs)
+                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, read=read)
                 verdict = limiter.combine(list(assessment.verdicts.values()))
                 if (
                     verdict.blocked and verdict.until is not None

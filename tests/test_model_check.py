@@ -56,6 +56,11 @@ def clock(monkeypatch, settings) -> Clock:
     monkeypatch.setattr(
         dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls: (cls.load(), fake()))
     )
+    # And the kept policies' statement reads the database's clock: read them afresh at each start.
+    monkeypatch.setattr(dispatcher.limiter, "_kept", None)
+    monkeypatch.setattr(
+        dispatcher.limiter, "policies_for_start", lambda keys, states: (*dispatcher.limiter.Policies.load_with_clock(), None)
+    )
     return fake
 
 
