@@ -499,10 +499,11 @@ def check_key(
 
 @dataclass
 class Assessment:
-    """Each key's verdict, and the readings it was judged on (a start writes from them)."""
+    """Each key's verdict, and the readings and running calls it was judged on (a start writes from them)."""
 
     verdicts: dict[str, Verdict]
     readings: dict[str, list[Reading]]
+    running: dict[str, int] = field(default_factory=dict)
 
 
 def assess(
@@ -531,7 +532,7 @@ def assess(
         )
         for k in keys
     }
-    return Assessment(verdicts, readings)
+    return Assessment(verdicts, readings, running)
 
 
 def check_each_key(
@@ -590,6 +591,47 @@ def start_record(
             if tat is not None:
                 record.buckets.append((key, policy.period, to_us(tat)))
     return record
+
+
+class Group:
+    """Calls started together (one message): each admitted call counts against the next.
+
+    Built on the keys' readings under their locks at ``now``; ``admit`` moves the readings, the
+    running totals and the running calls as the call's start will, so ``check`` judges the next
+    call as a start after it would be judged.
+    """
+
+    def __init__(self, states: Mapping[str, models.Model], policies: Policies, now: datetime, assessment: Assessment):
+        self.states, self.policies, self.now = states, policies, now
+        self.readings = {key: list(found) for key, found in assessment.readings.items()}
+        self.running = dict(assessment.running)
+
+    def check(self, keys: Sequence[str], costs: Mapping[str, int]) -> Verdict:
+        return combine([
+            check_key(
+                key, self.states[key], self.now, self.policies, for_start=True, readings=self.readings.get(key, []),
+                cost=costs.get(key, 1), running=self.running.get(key, 0),
+            )
+            for key in keys
+        ])
+
+    def admit(self, keys: Sequence[str], costs: Mapping[str, int]) -> StartRecord:
+        """Return what the call's start writes, and count it."""
+        record = start_record(
+            keys, self.states, Assessment({}, self.readings, self.running), self.policies, self.now, costs
+        )
+        for key in keys:
+            units = costs.get(key, 1)
+            self.states[key].total = (self.states[key].total or 0) + units
+            governing = self.policies.for_key(key)
+            self.readings[key] = [
+                Reading(tat=policy.charge(reading, self.now, units)) if isinstance(policy, TokenBucket)
+                else Reading(used=reading.used + units, leaves_at=reading.leaves_at)
+                for policy, reading in zip(governing, self.readings.get(key, []), strict=False)
+            ]
+            if any(p.concurrency for p in governing):
+                self.running[key] = self.running.get(key, 0) + 1
+        return record
 
 
 def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:

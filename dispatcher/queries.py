@@ -85,6 +85,10 @@ class Started:
     wait: timedelta = timedelta(0)
 
 
+class _GroupRaced(Exception):
+    """A call of a message's group was no longer the delivery's to start: start each on its own."""
+
+
 @dataclass
 class RescueReport:
     dispatched: int = 0
@@ -620,6 +624,163 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             return Started("stale", reason="claimed by another delivery")
         return Started("started", call=started[0], attempt=started[1], capped=capped)
 
+    def start_many(self, deliveries: Sequence[tuple[int, int]], worker: str = "") -> list[Started]:
+        """Start the calls of one message together; return one ``Started`` per delivery, in order.
+
+        One transaction locks all their keys once and checks the calls against the limits as
+        one group, in the message's order (each admitted call counts against the next); a call
+        that does not fit goes back to wait, as ``start()`` defers one. One statement marks the
+        admitted calls running and writes their attempts, start logs, buckets and counters. If
+        a duplicate delivery started one of them meanwhile, nothing of the group is kept and
+        each is started on its own. SQLite starts them one by one.
+        """
+        worker = worker[:200]
+        if connections[self.db].vendor != "postgresql" or len(deliveries) < 2:
+            return [self.start(call_id, dispatch_no, worker) for call_id, dispatch_no in deliveries]
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(
+                f"SELECT id, key_set, status, dispatch_no, cost FROM {self.model._meta.db_table} WHERE id = ANY(%s)",
+                [[call_id for call_id, _ in deliveries]],
+            )
+            heads = {row[0]: row[1:] for row in cursor.fetchall()}
+        results: dict[int, Started] = {}
+        live: list[tuple[int, int, int, list[str], dict[str, int]]] = []
+        seen: set[int] = set()
+        for index, (call_id, dispatch_no) in enumerate(deliveries):
+            head = heads.get(call_id)
+            if head is None or call_id in seen:
+                results[index] = Started("stale", reason="no such call" if head is None else "twice in one message")
+            elif head[1] != DISPATCHED or head[2] != dispatch_no:
+                results[index] = Started(
+                    "stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}"
+                )
+            else:
+                keys = parse_key_set(head[0])
+                cost = _json_value(head[3]) or {}
+                live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
+            seen.add(call_id)
+        try:
+            results.update(self._start_group(live, worker))
+        except _GroupRaced:
+            for index, call_id, dispatch_no, _, _ in live:
+                results[index] = self.start(call_id, dispatch_no, worker)
+        return [results[index] for index in range(len(deliveries))]
+
+    def _start_group(
+        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str
+    ) -> dict[int, Started]:
+        """Start (or defer) the live deliveries of a message in one transaction; see start_many()."""
+        results: dict[int, Started] = {}
+        if not live:
+            return results
+        all_keys = sorted({key for _, _, _, keys, _ in live for key in keys})
+        with transaction.atomic(using=self.db):
+            states = limiter.lock_keys(all_keys)
+            policies, now, read = limiter.policies_for_start(all_keys, states)
+            group = limiter.Group(states, policies, now, limiter.assess(
+                all_keys, states, now, policies, for_start=True, read=read
+            ))
+            admitted = []
+            for index, call_id, dispatch_no, keys, costs in live:
+                verdict = group.check(keys, costs)
+                if not verdict.blocked:
+                    capped = any(p.concurrency for key in keys for p in policies.for_key(key))
+                    admitted.append((index, call_id, dispatch_no, group.admit(keys, costs), capped))
+                    continue
+                until = verdict.until or now + timedelta(seconds=1)
+                deferred = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(
+                    status=PENDING, dispatched_at=None, run_at=until
+                )
+                if not deferred:
+                    raise _GroupRaced
+                limiter.adjust(keys, reserved=-1, units=costs)
+                results[index] = Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
+            if admitted:
+                started = self._mark_running_group(admitted, now, worker, group)
+                if len(started) < len(admitted):
+                    raise _GroupRaced  # rolls back the whole group
+                for index, call_id, _, _, capped in admitted:
+                    call, attempt = started[call_id]
+                    results[index] = Started("started", call=call, attempt=attempt, capped=capped)
+        return results
+
+    def _mark_running_group(
+        self, admitted: list[tuple[int, int, int, limiter.StartRecord, bool]], now: datetime, worker: str,
+        group: limiter.Group,
+    ) -> dict[int, tuple[CallQueue, Attempt]]:
+        """One statement: mark the admitted calls running, open their attempts, write their start
+        logs, the buckets' last states and each key's counters (only if every call was won)."""
+        from dispatcher.models import Attempt, KeyBucket, KeyStart, KeyState
+
+        table = self.model._meta.db_table
+        fields = self.model._meta.concrete_fields
+        columns = ", ".join(f"started.{connections[self.db].ops.quote_name(f.column)}" for f in fields)
+        log = [(key, units, cum, call_id) for _, call_id, _, record, _ in admitted for key, units, cum in record.log]
+        buckets: dict[tuple[str, timedelta], int] = {}
+        for _, _, _, record, _ in admitted:
+            for key, period, tat in record.buckets:
+                buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
+        moved: dict[str, list[int]] = {}
+        for key, units, _, _ in log:
+            calls_units = moved.setdefault(key, [0, 0])
+            calls_units[0] += 1
+            calls_units[1] += units
+        sql = f"""
+            WITH d AS (
+                SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[]) AS d(id, dispatch_no)
+            ), started AS (
+                UPDATE {table} SET status = %(running)s, started_at = %(now)s, attempts = {table}.attempts + 1
+                FROM d WHERE {table}.id = d.id AND {table}.status = %(dispatched)s AND {table}.dispatch_no = d.dispatch_no
+                RETURNING {table}.*
+            ), won AS (
+                SELECT COUNT(*) = %(n)s AS all_won FROM started
+            ), attempt AS (
+                INSERT INTO {Attempt._meta.db_table} (call_id, number, started_at, outcome, error, worker)
+                SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
+                RETURNING id, call_id, number
+            ), start_log AS (
+                INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum, call_id)
+                SELECT log.key, %(now)s, log.units, log.cum, log.call_id
+                FROM won, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[],
+                    %(log_calls)s::bigint[]) AS log(key, units, cum, call_id)
+                WHERE won.all_won
+            ), buckets AS (
+                INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us, since)
+                SELECT b.key, b.period, b.tat_us, %(now)s
+                FROM won, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
+                    AS b(key, period, tat_us)
+                WHERE won.all_won
+                ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
+            ), counters AS (
+                UPDATE {KeyState._meta.db_table} AS state
+                SET reserved = reserved - c.calls, reserved_units = reserved_units - c.units, total = c.total
+                FROM won, unnest(%(c_keys)s::text[], %(c_calls)s::int[], %(c_units)s::int[], %(c_totals)s::bigint[])
+                    AS c(key, calls, units, total)
+                WHERE state.key = c.key AND won.all_won
+            )
+            SELECT attempt.id, attempt.number, {columns} FROM started JOIN attempt ON attempt.call_id = started.id
+        """
+        params = {
+            "running": RUNNING, "dispatched": DISPATCHED, "now": now, "worker": worker, "n": len(admitted),
+            "ids": [call_id for _, call_id, _, _, _ in admitted], "nos": [no for _, _, no, _, _ in admitted],
+            "log_keys": [row[0] for row in log], "log_units": [row[1] for row in log],
+            "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
+            "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
+            "b_tats": list(buckets.values()),
+            "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
+            "c_totals": [group.states[key].total for key in moved],
+        }
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql, params)
+            rows = cursor.fetchall()
+        started: dict[int, tuple[CallQueue, Attempt]] = {}
+        for row in rows:
+            call = _call_from_row(self.model, self.db, row[2:])
+            attempt = Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+            attempt._state.adding, attempt._state.db = False, self.db
+            started[call.id] = (call, attempt)
+        return started
+
     def _mark_running(
         self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
         record: limiter.StartRecord | None,
@@ -778,6 +939,53 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         return self._finish(
             call, attempt, "done", "", wake=wake, status=DONE, result=result, finished_at=lambda now: now, last_error=""
         )
+
+    def finish_done_many(self, done: Sequence[tuple[CallQueue, Attempt, Any, bool]]) -> int:
+        """Record successful attempts (call, attempt, result, wake) together; return how many were won.
+
+        On PostgreSQL one statement, as ``finish_done`` for one; a call rescued while it ran is
+        not won (and logged), as there.
+        """
+        from dispatcher.models import Attempt
+
+        db = connections[self.db]
+        if db.vendor != "postgresql" or len(done) < 2:
+            return sum(self.finish_done(call, attempt, result, wake=wake) for call, attempt, result, wake in done)
+        result_field = self.model._meta.get_field("result")
+        table = self.model._meta.db_table
+        sql = f"""
+            WITH clock AS MATERIALIZED (
+                SELECT clock_timestamp() AS now
+            ), d AS (
+                SELECT * FROM unnest(%s::bigint[], %s::int[], %s::bigint[], %s::jsonb[], %s::bool[])
+                    AS d(id, dispatch_no, attempt_id, result, wake)
+            ), finished AS (
+                UPDATE {table} SET status = %s, result = d.result, finished_at = clock.now, last_error = ''
+                FROM d, clock
+                WHERE {table}.id = d.id AND {table}.status = %s AND {table}.dispatch_no = d.dispatch_no
+                RETURNING {table}.id, d.attempt_id, d.wake
+            ), attempt AS (
+                UPDATE {Attempt._meta.db_table} SET finished_at = clock.now, outcome = 'done', error = ''
+                FROM finished, clock WHERE {Attempt._meta.db_table}.id = finished.attempt_id
+            ), wake AS (
+                SELECT pg_notify(%s, '') WHERE EXISTS (SELECT 1 FROM finished WHERE wake)
+            )
+            SELECT id FROM finished, (SELECT COUNT(*) FROM wake) AS woken
+        """
+        params = [
+            [call.id for call, _, _, _ in done], [call.dispatch_no for call, _, _, _ in done],
+            [attempt.id for _, attempt, _, _ in done],
+            [result_field.get_db_prep_save(result, db) for _, _, result, _ in done],
+            [bool(wake) and bool(call.key_set) for call, _, _, wake in done],
+            DONE, RUNNING, limiter.WAKE_CHANNEL,
+        ]
+        with db.cursor() as cursor:
+            cursor.execute(sql, params)
+            won = {row[0] for row in cursor.fetchall()}
+        for call, attempt, _, _ in done:
+            if call.id not in won:
+                log.warning("finish_lost call=%s attempt=%s outcome=done", call.id, attempt.number)
+        return len(won)
 
     def finish_error(
         self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True

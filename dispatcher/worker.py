@@ -9,9 +9,11 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, connections
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
@@ -93,32 +95,115 @@ def execute(call_id: int, dispatch_no: int) -> str:
 
 def _run(call: Any, attempt: Any, capped: bool) -> str:
     """Run the handler of a started call and record its outcome."""
-    from dispatcher.models import CallQueue
+    return _record_outcome(call, attempt, capped, _call_handler(call))
 
+
+@dataclass
+class Outcome:
+    """What a handler did: "done" with its result, or the exception it raised and its traceback."""
+
+    kind: str  # "done", "rate_limited", "failed" or "error"
+    result: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+
+def _call_handler(call: Any) -> Outcome:
+    """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys):  # the keys an API's rate-limit signals apply to
             result = fn(**call.params)
     except RateLimited as exc:
+        return Outcome("rate_limited", error=exc)
+    except (PermanentError, UnknownMethod) as exc:
+        return Outcome("failed", error=exc, traceback=traceback.format_exc())
+    except Exception as exc:
+        return Outcome("error", error=exc, traceback=traceback.format_exc())
+    return Outcome("done", result=_jsonable(result))
+
+
+def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> str:
+    """Record what a started call's handler did; return the run's state."""
+    from dispatcher.models import CallQueue
+
+    exc = outcome.error
+    if outcome.kind == "rate_limited":
+        assert isinstance(exc, RateLimited)
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
         retry_after = bounded_seconds(exc.retry_after)
         _record(CallQueue.objects.finish_rate_limited, call, attempt, retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
         return "rate_limited"
-    except (PermanentError, UnknownMethod) as exc:
+    if outcome.kind in ("failed", "error"):
         _record(
-            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=True, wake=capped,
+            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", outcome.traceback,
+            permanent=outcome.kind == "failed", wake=capped,
         )
-        log.info("run_failed call=%s error=%r", call.id, exc)
-        return "failed"
-    except Exception as exc:
-        _record(
-            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=False, wake=capped,
-        )
-        log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
-        return "error"
-    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result), wake=capped)
+        if outcome.kind == "failed":
+            log.info("run_failed call=%s error=%r", call.id, exc)
+        else:
+            log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
+        return outcome.kind
+    _record(CallQueue.objects.finish_done, call, attempt, outcome.result, wake=capped)
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
     return "done"
+
+
+# Most handlers of one message run at once (DISPATCHER_CALLS_PER_MESSAGE > 1).
+MESSAGE_THREADS = 8
+
+
+def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
+    """Run the deliveries of one message: start them together, run their handlers at once (a
+    small thread pool), record the outcomes (the successful ones together); return the count
+    of each outcome."""
+    from dispatcher.models import CallQueue
+
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    outcomes: dict[str, int] = {}
+    started = _record(CallQueue.objects.start_many, deliveries, worker=worker)
+    runs = []
+    for (call_id, dispatch_no), one in zip(deliveries, started, strict=True):
+        if one.state == "started":
+            runs.append(one)
+            log.info("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
+        else:
+            log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)
+            outcomes[one.state] = outcomes.get(one.state, 0) + 1
+    if not runs:
+        return outcomes
+    with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
+        done = list(pool.map(_call_handler_in_pool, [one.call for one in runs]))
+    finished = [(one, outcome) for one, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == "done"]
+    if finished:
+        _record(
+            CallQueue.objects.finish_done_many,
+            [(one.call, one.attempt, outcome.result, one.capped) for one, outcome in finished],
+        )
+        for one, _ in finished:
+            log.info("run_done call=%s attempt=%s", one.call.id, one.attempt.number)
+        outcomes["done"] = outcomes.get("done", 0) + len(finished)
+    for one, (outcome, reported) in zip(runs, done, strict=True):
+        if outcome.kind != "done":
+            try:
+                state = _record_outcome(one.call, one.attempt, one.capped, outcome)
+            except Exception:
+                # One call's failure to record must not strand the others; the rescue sweep returns it.
+                log.exception("run_calls_failed call=%s", one.call.id)
+                state = "failed_to_record"
+            outcomes[state] = outcomes.get(state, 0) + 1
+        if reported is not None:
+            deltas = _record(CallQueue.objects.correct_cost, one.call, reported)
+            log.info("run_cost_corrected call=%s change=%s", one.call.id, deltas)
+    return outcomes
+
+
+def _call_handler_in_pool(call: Any) -> tuple[Outcome, Any]:
+    """Run a handler in a thread of the message's pool; return what it did and the cost it reported."""
+    take_reported()
+    try:
+        return _call_handler(call), take_reported()
+    finally:
+        # A handler that used the database did so on this thread's own connection.
+        connections.close_all()

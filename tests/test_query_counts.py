@@ -32,6 +32,11 @@ PASS_QUERIES = {"postgresql": 11, "sqlite": 8 + 2 * KEY_SETS}
 # the call, the attempt and the wake-up (2). SQLite reads the policies at every start, runs
 # the statements that PostgreSQL combines one by one, in transactions, and locks no key at a finish.
 RUN_QUERIES = {"postgresql": 8, "sqlite": 15}
+# One message of 10 such calls (DISPATCHER_CALLS_PER_MESSAGE=10) on PostgreSQL: their heads (1);
+# one transaction starts them all: lock their keys, read clock, policy version and windows, mark
+# them running (3, plus BEGIN/COMMIT); one statement records their outcomes (1).
+# SQLite starts and finishes them one by one.
+MESSAGE_QUERIES = {"postgresql": 7, "sqlite": 10 * 15}
 
 
 @pytest.fixture
@@ -80,3 +85,16 @@ def test_a_worker_run_of_one_call_costs_a_pinned_number_of_queries(published):
         with CaptureQueriesContext(connection) as queries:
             assert execute(claimed.id, claimed.dispatch_no) == "done"
     assert len(queries) == RUN_QUERIES[connection.vendor], "\n".join(q["sql"][:120] for q in queries)
+
+
+def test_a_message_of_ten_calls_costs_the_queries_of_fewer_than_one_call(published):
+    from dispatcher.worker import execute_many
+
+    RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+    calls = [CallQueue.objects.send("noop", keys=[f"bench:{i % 2}"]) for i in range(12)]
+    claimed = [c for key_set in {c.key_set for c in calls} for c in CallQueue.objects.claim(key_set, 6, Policies.load()).calls]
+    assert execute(claimed[0].id, claimed[0].dispatch_no) == "done"  # keeps the policies, as a worker would
+    assert execute(claimed[1].id, claimed[1].dispatch_no) == "done"
+    with CaptureQueriesContext(connection) as queries:
+        assert execute_many([(c.id, c.dispatch_no) for c in claimed[2:]]) == {"done": 10}
+    assert len(queries) == MESSAGE_QUERIES[connection.vendor], "\n".join(q["sql"][:120] for q in queries)
