@@ -94,7 +94,7 @@ class DispatcherSettings:
     PRUNE_CRONTAB = Setting("0 3 * * *", str, "When beat runs prune_calls (cron: minute hour dom month dow).")
     CALLS_PER_MESSAGE = Setting(
         1, _as_int,
-        "Calls a dispenser puts in one Celery message; a worker runs them one after another.",
+        "Calls a dispenser puts in one Celery message; a worker starts them together and runs them at once (PostgreSQL).",
     )
     DISPATCH_AHEAD = Setting(
         "100ms", parse_duration,
