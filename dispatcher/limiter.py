@@ -605,6 +605,9 @@ class Group:
         self.states, self.policies, self.now = states, policies, now
         self.readings = {key: list(found) for key, found in assessment.readings.items()}
         self.running = dict(assessment.running)
+        # What storage said of each window: its units and where they start (the group's own
+        # starts come after them, all at ``now``).
+        self.stored = {key: [(r.used, r.leaves_at) for r in found] for key, found in self.readings.items()}
 
     def check(self, keys: Sequence[str], costs: Mapping[str, int]) -> Verdict:
         return combine([
@@ -626,12 +629,23 @@ class Group:
             governing = self.policies.for_key(key)
             self.readings[key] = [
                 Reading(tat=policy.charge(reading, self.now, units)) if isinstance(policy, TokenBucket)
-                else Reading(used=reading.used + units, leaves_at=reading.leaves_at)
-                for policy, reading in zip(governing, self.readings.get(key, []), strict=False)
+                else Reading(
+                    used=reading.used + units, leaves_at=functools.partial(_leaves_at_in_group, *stored, self.now)
+                )
+                for policy, reading, stored in zip(governing, self.readings.get(key, []), self.stored.get(key, []), strict=False)
             ]
             if any(p.concurrency for p in governing):
                 self.running[key] = self.running.get(key, 0) + 1
         return record
+
+
+def _leaves_at_in_group(
+    stored_used: int, stored_leaves_at: Callable[[int], datetime | None] | None, now: datetime, n: int
+) -> datetime | None:
+    """When the n-th unit of a window leaves it, counting a group's own starts (at ``now``) after the stored ones."""
+    if n > stored_used:
+        return now
+    return stored_leaves_at(n) if stored_leaves_at is not None else None
 
 
 def record_starts(at: datetime, record: StartRecord, call_id: int | None = None) -> None:

@@ -624,19 +624,24 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             return Started("stale", reason="claimed by another delivery")
         return Started("started", call=started[0], attempt=started[1], capped=capped)
 
-    def start_many(self, deliveries: Sequence[tuple[int, int]], worker: str = "") -> list[Started]:
+    def start_many(
+        self, deliveries: Sequence[tuple[int, int]], worker: str = "", *, may_wait: timedelta = timedelta(0)
+    ) -> list[Started]:
         """Start the calls of one message together; return one ``Started`` per delivery, in order.
 
         One transaction locks all their keys once and checks the calls against the limits as
         one group, in the message's order (each admitted call counts against the next); a call
-        that does not fit goes back to wait, as ``start()`` defers one. One statement marks the
+        that does not fit goes back to wait, as ``start()`` defers one, unless its keys have
+        room within ``may_wait``: then nothing changes for it ("early"). One statement marks the
         admitted calls running and writes their attempts, start logs, buckets and counters. If
         a duplicate delivery started one of them meanwhile, nothing of the group is kept and
         each is started on its own. SQLite starts them one by one.
         """
         worker = worker[:200]
         if connections[self.db].vendor != "postgresql" or len(deliveries) < 2:
-            return [self.start(call_id, dispatch_no, worker) for call_id, dispatch_no in deliveries]
+            return [
+                self.start(call_id, dispatch_no, worker, may_wait=may_wait) for call_id, dispatch_no in deliveries
+            ]
         with connections[self.db].cursor() as cursor:
             cursor.execute(
                 f"SELECT id, key_set, status, dispatch_no, cost FROM {self.model._meta.db_table} WHERE id = ANY(%s)",
@@ -660,14 +665,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
             seen.add(call_id)
         try:
-            results.update(self._start_group(live, worker))
+            results.update(self._start_group(live, worker, may_wait))
         except _GroupRaced:
             for index, call_id, dispatch_no, _, _ in live:
-                results[index] = self.start(call_id, dispatch_no, worker)
+                results[index] = self.start(call_id, dispatch_no, worker, may_wait=may_wait)
         return [results[index] for index in range(len(deliveries))]
 
     def _start_group(
-        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str
+        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str, may_wait: timedelta
     ) -> dict[int, Started]:
         """Start (or defer) the live deliveries of a message in one transaction; see start_many()."""
         results: dict[int, Started] = {}
@@ -686,6 +691,11 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if not verdict.blocked:
                     capped = any(p.concurrency for key in keys for p in policies.for_key(key))
                     admitted.append((index, call_id, dispatch_no, group.admit(keys, costs), capped))
+                    continue
+                if verdict.until is not None and verdict.until - now <= may_wait:
+                    results[index] = Started(
+                        "early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
+                    )
                     continue
                 until = verdict.until or now + timedelta(seconds=1)
                 deferred = self.filter(id=call_id, status=DISPATCHED, dispatch_no=dispatch_no).update(

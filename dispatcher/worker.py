@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection, connections
@@ -162,15 +163,27 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
 
     worker = f"{socket.gethostname()}:{os.getpid()}"
     outcomes: dict[str, int] = {}
-    started = _record(CallQueue.objects.start_many, deliveries, worker=worker)
     runs = []
-    for (call_id, dispatch_no), one in zip(deliveries, started, strict=True):
-        if one.state == "started":
-            runs.append(one)
-            log.info("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
-        else:
-            log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)
-            outcomes[one.state] = outcomes.get(one.state, 0) + 1
+    # Calls claimed ahead of their slot wait for it (briefly, holding no lock), as one call does.
+    ahead = dispatcher_settings.DISPATCH_AHEAD
+    pending = list(deliveries)
+    for tries in range(EARLY_TRIES + 1):
+        may_wait = ahead if tries < EARLY_TRIES else timedelta(0)
+        started = _record(CallQueue.objects.start_many, pending, worker=worker, may_wait=may_wait)
+        early = []
+        for (call_id, dispatch_no), one in zip(pending, started, strict=True):
+            if one.state == "started":
+                runs.append(one)
+                log.info("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
+            elif one.state == "early":
+                early.append(((call_id, dispatch_no), one.wait))
+            else:
+                log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)
+                outcomes[one.state] = outcomes.get(one.state, 0) + 1
+        if not early:
+            break
+        pending = [delivery for delivery, _ in early]
+        time.sleep(min(wait for _, wait in early).total_seconds())
     if not runs:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:

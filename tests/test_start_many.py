@@ -63,6 +63,18 @@ def test_a_group_is_checked_as_one_each_start_counting_against_the_next(before, 
         assert limiter.from_us(bucket.tat_us) == policy.charge(Reading(tat=policy.charge(Reading(), now, 1)), now, 1)
 
 
+def test_a_call_whose_slot_frees_within_may_wait_is_early_and_nothing_changes_for_it():
+    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    deliveries = _claimed(2)
+    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    first, second = CallQueue.objects.start_many(deliveries, worker="w", may_wait=timedelta(minutes=2))
+    assert (first.state, second.state) == ("started", "early")
+    assert timedelta(seconds=59) < second.wait <= timedelta(minutes=1, seconds=1)
+    waiting = CallQueue.objects.get(id=deliveries[1][0])
+    assert (waiting.status, waiting.dispatch_no) == ("dispatched", deliveries[1][1])
+    assert KeyState.objects.get(key="api").reserved == 1
+
+
 def test_a_stale_delivery_in_a_group_is_skipped_and_the_others_start():
     RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
     deliveries = _claimed(3)
