@@ -188,27 +188,33 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
         done = list(pool.map(_call_handler_in_pool, [one.call for one in runs]))
+    # One call's (or the successes') failure to record must not strand the others: what could not
+    # be recorded stays running until the rescue sweep returns it.
     finished = [(one, outcome) for one, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == "done"]
     if finished:
-        _record(
-            CallQueue.objects.finish_done_many,
-            [(one.call, one.attempt, outcome.result, one.capped) for one, outcome in finished],
-        )
-        for one, _ in finished:
-            log.info("run_done call=%s attempt=%s", one.call.id, one.attempt.number)
-        outcomes["done"] = outcomes.get("done", 0) + len(finished)
+        try:
+            _record(
+                CallQueue.objects.finish_done_many,
+                [(one.call, one.attempt, outcome.result, one.capped) for one, outcome in finished],
+            )
+        except Exception:
+            log.exception("run_calls_failed calls=%s", [one.call.id for one, _ in finished])
+            outcomes["failed_to_record"] = outcomes.get("failed_to_record", 0) + len(finished)
+        else:
+            for one, _ in finished:
+                log.info("run_done call=%s attempt=%s", one.call.id, one.attempt.number)
+            outcomes["done"] = outcomes.get("done", 0) + len(finished)
     for one, (outcome, reported) in zip(runs, done, strict=True):
-        if outcome.kind != "done":
-            try:
+        try:
+            if outcome.kind != "done":
                 state = _record_outcome(one.call, one.attempt, one.capped, outcome)
-            except Exception:
-                # One call's failure to record must not strand the others; the rescue sweep returns it.
-                log.exception("run_calls_failed call=%s", one.call.id)
-                state = "failed_to_record"
-            outcomes[state] = outcomes.get(state, 0) + 1
-        if reported is not None:
-            deltas = _record(CallQueue.objects.correct_cost, one.call, reported)
-            log.info("run_cost_corrected call=%s change=%s", one.call.id, deltas)
+                outcomes[state] = outcomes.get(state, 0) + 1
+            if reported is not None:
+                deltas = _record(CallQueue.objects.correct_cost, one.call, reported)
+                log.info("run_cost_corrected call=%s change=%s", one.call.id, deltas)
+        except Exception:
+            log.exception("run_calls_failed call=%s", one.call.id)
+            outcomes["failed_to_record"] = outcomes.get("failed_to_record", 0) + 1
     return outcomes
 
 
