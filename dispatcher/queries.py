@@ -663,7 +663,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 keys = parse_key_set(head[0])
                 cost = _json_value(head[3]) or {}
                 live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
-            seen.add(call_id)
+                seen.add(call_id)
         try:
             results.update(self._start_group(live, worker, may_wait))
         except _GroupRaced:

@@ -80,9 +80,11 @@ def test_a_stale_delivery_in_a_group_is_skipped_and_the_others_start():
     deliveries = _claimed(3)
     deliveries[1] = (deliveries[1][0], deliveries[1][1] + 7)
     deliveries.append(deliveries[0])  # the same delivery twice in one message starts once
+    # A stale delivery of a call does not stop a good one of the same call after it.
+    deliveries.insert(0, (deliveries[2][0], deliveries[2][1] + 3))
     started = CallQueue.objects.start_many(deliveries, worker="w")
-    assert [s.state for s in started] == ["started", "stale", "started", "stale"]
-    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {deliveries[0][0]: 1, deliveries[2][0]: 1}
+    assert [s.state for s in started] == ["stale", "started", "stale", "started", "stale"]
+    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {deliveries[1][0]: 1, deliveries[3][0]: 1}
     assert KeyState.objects.get(key="api").total == 2
 
 
