@@ -88,8 +88,11 @@ def test_a_threads_or_gevent_worker_runs_every_call_once_within_every_policy(
     assert fake_api.connections <= concurrency * per_message
     # Database sessions stay within the pool's size (plus the two dispensers, the worker's main
     # process and this test's own); under gevent a task's connection closes when its greenlet
-    # ends instead of lingering until garbage collection.
-    assert sampler.peak <= concurrency + 4, f"peak {sampler.peak} database sessions"
+    # ends instead of lingering until garbage collection. With several calls per message, each
+    # handler thread of a message may open one too (the http handler stores the API's rate-limit
+    # signals), closed when its handler returns.
+    sessions = concurrency * (1 + per_message) if per_message > 1 else concurrency
+    assert sampler.peak <= sessions + 4, f"peak {sampler.peak} database sessions"
     print(
         f"\n{pool} -c {concurrency}, {per_message} per message: peak starts {max_in_window(partner, 1.0)}/1s (limit 12), peak in flight"
         f" {fake_api.max_in_flight} (limit 5), {fake_api.connections} connections, database sessions peak {sampler.peak}"
