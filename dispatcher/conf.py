@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings as django_settings
+from django.core.signals import setting_changed
 
 from dispatcher.durations import parse_duration
 
@@ -60,7 +61,11 @@ class Setting:
             value = os.environ.get(full, _MISSING)
         if value is _MISSING:
             value = self.default
-        return self.parse(value)
+        parsed = self.parse(value)  # a value that does not parse raises at every read, never cached
+        # Read once per process: the next reads find the value in the instance's own attributes
+        # (this descriptor defines no __set__), until ``reload()`` (Django's setting_changed).
+        instance.__dict__[self.name] = parsed
+        return parsed
 
 
 def _non_negative_duration(value: Any) -> timedelta:
@@ -89,7 +94,7 @@ class DispatcherSettings:
     PRUNE_CRONTAB = Setting("0 3 * * *", str, "When beat runs prune_calls (cron: minute hour dom month dow).")
     CALLS_PER_MESSAGE = Setting(
         1, _as_int,
-        "Calls a dispenser puts in one Celery message; a worker runs them one after another.",
+        "Calls a dispenser puts in one Celery message; a worker starts them together and runs them at once (PostgreSQL).",
     )
     DISPATCH_AHEAD = Setting(
         "100ms", parse_duration,
@@ -128,6 +133,10 @@ class DispatcherSettings:
     METRICS_TOKENS = Setting("", _as_list, "Bearer tokens accepted by /metrics (comma-separated).")
     METRICS_PUBLIC = Setting(False, _as_bool, "Serve /metrics to anyone (otherwise: a token or staff with view permission).")
 
+    def reload(self) -> None:
+        """Forget every value read, so the next reads see the settings and the environment of now."""
+        self.__dict__.clear()
+
     def as_rows(self) -> list[tuple[str, str, str]]:
         """Return (name, default, description) for every setting, for docs."""
         rows = []
@@ -138,3 +147,11 @@ class DispatcherSettings:
 
 
 dispatcher_settings = DispatcherSettings()
+
+
+def _on_setting_changed(*, setting: str, **kwargs: Any) -> None:
+    if setting.startswith("DISPATCHER_"):
+        dispatcher_settings.reload()
+
+
+setting_changed.connect(_on_setting_changed, dispatch_uid="dispatcher.conf.reload")

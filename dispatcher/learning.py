@@ -115,8 +115,7 @@ def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
     if not found.remaining or not found.reset or found.wait() is not None:
         return []
     # The call being answered is one of the running ones, and the API counted it already.
-    running = tables.KeyState.objects.filter(key__in=keys).values_list("key", "running")
-    return [key for key, n in running if n - 1 >= found.remaining]
+    return [key for key, n in limiter.running_by_key(keys).items() if n - 1 >= found.remaining]
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:

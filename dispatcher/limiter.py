@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from django.core.signals import setting_changed
 from django.db import connections, models, router, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -23,9 +24,10 @@ from django.db.models.functions import Now
 from dispatcher import sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.keys import is_pattern, pattern_matches
+from dispatcher.keys import is_pattern, parse_key_set, pattern_matches
 from dispatcher.policies import Policy as PolicyShape
 from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy
+from dispatcher.states import CallStatus
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -69,6 +71,8 @@ class Policies:
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
     learnt: dict[str, list[PolicyShape]] = field(default_factory=dict)
+    # When the first of the learnt limits expires (these policies are not current after it).
+    learnt_until: datetime | None = None
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -109,7 +113,9 @@ class Policies:
         with connections[db].cursor() as cursor:
             cursor.execute(sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
-        return cls._from_db_rows([row[1:] for row in rows if row[1] is not None]), rows[0][0]
+        policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
+        _remember(db, rows[0][1], policies)
+        return policies, rows[0][0]
 
     @classmethod
     def _from_db_rows(cls, rows: Iterable[tuple]) -> Policies:
@@ -117,16 +123,20 @@ class Policies:
         policies: list[PolicyShape] = []
         pattern_pauses: dict[str, datetime] = {}
         learnt: dict[str, list[PolicyShape]] = {}
+        expiries: list[datetime] = []
         for key, limit, period, burst, concurrency, until in rows:
             if concurrency == LEARNT:
                 # Learnt limits are windows that absorb the same arrival guard as configured ones.
                 learnt.setdefault(key, []).append(SlidingWindow(key, limit, period, None, guard))
+                if until is not None:
+                    expiries.append(until)
             elif until is not None:
                 pattern_pauses[key] = until
             else:
                 policies.append(make_policy(key, limit, period, burst, concurrency, guard))
         loaded = cls.from_rows(policies, pattern_pauses)
         loaded.learnt = learnt
+        loaded.learnt_until = min(expiries, default=None)
         return loaded
 
     def configured_for_key(self, key: str) -> list[PolicyShape]:
@@ -179,8 +189,8 @@ def _policies_query(db: str) -> models.QuerySet:
     ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
     learnt = tables.LearntLimit.objects.using(db).order_by().filter(expires_at__gt=Now()).annotate(
         no_burst=models.Value(None, models.IntegerField()),
-        marker=models.Value(LEARNT, models.IntegerField()), no_until=models.Value(None, models.DateTimeField()),
-    ).values_list("key", "limit", "period", "no_burst", "marker", "no_until")
+        marker=models.Value(LEARNT, models.IntegerField()),
+    ).values_list("key", "limit", "period", "no_burst", "marker", "expires_at")
     return policies.union(pauses, learnt, all=True)
 
 
@@ -188,6 +198,77 @@ def _policies_query(db: str) -> models.QuerySet:
 def _policies_sql(db: str) -> tuple[str, tuple]:
     query = _policies_query(db).query
     return query.get_compiler(using=db).as_sql()
+
+
+# The policies each database's last reading in this process found, and their version (see
+# ``sql.POLICY_VERSION``), shared by the process's threads.
+_kept: dict[str, tuple[int, Policies]] = {}
+
+
+def _remember(db: str, version: int | None, policies: Policies) -> None:
+    if version is None:
+        _kept.pop(db, None)
+    else:
+        _kept[db] = (version, policies)
+
+
+def kept_policies(using: str | None = None) -> tuple[int, Policies] | None:
+    """Return the version and policies this process keeps for a database, if any."""
+    return _kept.get(alias(using))
+
+
+def forget_policies(*, setting: str = "DISPATCHER_", **kwargs: object) -> None:
+    """Drop the kept policies (Django's setting_changed: the arrival guard shapes them)."""
+    if setting.startswith("DISPATCHER_"):
+        _kept.clear()
+
+
+setting_changed.connect(forget_policies, dispatch_uid="dispatcher.limiter.forget_policies")
+
+
+@dataclass
+class Read:
+    """What a start read in one statement: readings and running calls of its keys (see ``read_keys``)."""
+
+    readings: dict[str, list[Reading]]
+    running: dict[str, int]
+
+
+def policies_for_start(
+    keys: Sequence[str], states: Mapping[str, KeyState], using: str | None = None
+) -> tuple[Policies, datetime, Read | None]:
+    """Return the policies, the database clock and, when it could, what the keys' policies read;
+    call after ``lock_keys``.
+
+    On PostgreSQL a process keeps the policies it read last: one statement then reads the clock,
+    the policies' version and the keys' probes (computed with the kept policies), and the
+    policies themselves only if the version moved or a kept learnt limit expired; then the probes
+    are not returned (``assess`` reads them with the policies of now). Exact as reading the
+    policies at every start: the version is read after the lock wait, in the same snapshot as
+    the policies, so an edit committed before it binds this start.
+    """
+    db = alias(using)
+    kept = _kept.get(db)
+    if kept is None or connections[db].vendor != "postgresql":
+        policies, now = Policies.load_with_clock(db)
+        return policies, now, None
+    version, policies = kept
+    governed = {key: governing for key in keys if (governing := policies.for_key(key))}
+    kinds, params = _probes(governed, lambda span: span, db)
+    policies_sql, policy_params = _policies_sql(db)
+    with connections[db].cursor() as cursor:
+        cursor.execute(
+            sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
+        )
+        rows = cursor.fetchall()
+    now, current = rows[0][0], rows[0][1]
+    if current != version or (policies.learnt_until is not None and policies.learnt_until <= now):
+        skip = 2 + len(kinds)
+        policies = Policies._from_db_rows([row[skip:] for row in rows if row[skip] is not None])
+        _remember(db, current, policies)
+        return policies, now, None
+    readings, running = _from_probes(governed, states, iter(rows[0][2:]), db)
+    return policies, now, Read(readings, running)
 
 
 class Hold(enum.StrEnum):
@@ -263,37 +344,82 @@ def read_policies(
     now: datetime,
     using: str | None = None,
 ) -> dict[str, list[Reading]]:
-    """Return, per key, what storage says about each of its policies at ``now``; one query.
+    """Return, per key, what storage says about each of its policies at ``now``; one query."""
+    return read_keys(governed, states, now, using)[0]
+
+
+def read_keys(
+    governed: Mapping[str, Sequence[PolicyShape]],
+    states: Mapping[str, KeyState],
+    now: datetime,
+    using: str | None = None,
+) -> tuple[dict[str, list[Reading]], dict[str, int]]:
+    """Return, per key, what storage says about each of its policies at ``now``, and, for the keys
+    with a concurrency cap, how many of their calls are running; one query.
 
     A window: the units in it, its key's running total less the running total before the
     window's first start (an index probe, whatever the window holds). A bucket: its timestamp.
+    Running calls are counted from the calls themselves (no counter: a finish locks no key).
     """
     if not governed:
-        return {}
+        return {}, {}
     # All probes in one row; hand-written because the ORM compiles many filtered subqueries
     # more slowly than the database runs them.
     db = alias(using)
+    adapt = connections[db].ops.adapt_datetimefield_value
+    kinds, params = _probes(governed, lambda span: adapt(now - span), db)
+    with connections[db].cursor() as cursor:
+        cursor.execute(sql.policy_readings(kinds, connections[db].vendor == "postgresql"), params)
+        row = iter(cursor.fetchone())
+    return _from_probes(governed, states, row, db)
+
+
+def _probes(
+    governed: Mapping[str, Sequence[PolicyShape]], window_start: Callable[[timedelta], object], db: str
+) -> tuple[tuple[str, ...], list[Any]]:
+    """Return the kinds of the probes ``read_keys`` reads (``sql.PROBES``) and their parameters;
+    ``window_start`` gives the parameter of a window of a given span."""
     connection = connections[db]
-    adapt = connection.ops.adapt_datetimefield_value
-    buckets, params = [], []
+    kinds: list[str] = []
+    params: list[Any] = []
     for key, policies in governed.items():
         for policy in policies:
             if isinstance(policy, TokenBucket):
-                buckets.append(True)
+                kinds.append("bucket")
                 params += [key, _DURATION.get_db_prep_value(policy.period, connection)]
             elif isinstance(policy, SlidingWindow):
-                buckets.append(False)
-                params += [key, adapt(now - policy.span)]
+                kinds.append("window")
+                params += [key, window_start(policy.span)]
             else:
                 raise TypeError(f"no reading for a {type(policy).__name__}")
-    with connection.cursor() as cursor:
-        cursor.execute(sql.policy_readings(tuple(buckets)), params)
-        row = iter(cursor.fetchone())
+    for key, policies in governed.items():
+        if any(p.concurrency for p in policies):
+            kinds.append("running")
+            params.append(key)
+    return tuple(kinds), params
+
+
+def _from_probes(
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], row: Iterator[Any], db: str
+) -> tuple[dict[str, list[Reading]], dict[str, int]]:
     readings: dict[str, list[Reading]] = {}
     for key, policies in governed.items():
         total = getattr(states.get(key), "total", 0) or 0
         readings[key] = [_reading(key, policy, next(row), total, db) for policy in policies]
-    return readings
+    running = {key: next(row) for key, policies in governed.items() if any(p.concurrency for p in policies)}
+    return readings, running
+
+
+def running_by_key(keys: Iterable[str] | None = None, using: str | None = None) -> dict[str, int]:
+    """Return how many calls are running per key (of ``keys`` if given); for display and signals."""
+    wanted = set(keys) if keys is not None else None
+    counts: dict[str, int] = {}
+    running = tables.CallQueue.objects.using(alias(using)).filter(status=CallStatus.RUNNING)
+    for text in running.values_list("key_set", flat=True).iterator():
+        for key in parse_key_set(text):
+            if wanted is None or key in wanted:
+                counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _reading(key: str, policy: PolicyShape, value: int | None, total: int, db: str) -> Reading:
@@ -320,12 +446,14 @@ def check_key(
     readings: Sequence[Reading] | None = None,
     cost: int = 1,
     using: str | None = None,
+    running: int | None = None,
 ) -> Verdict:
     """Return the room (in units) a key has now for a call of ``cost`` units.
 
     For a dispense (``for_start=False``) calls already dispatched but not started count as
     if they had started; at the start itself only real starts and running calls count.
-    ``readings`` are the key's policy readings if already read (see ``read_policies``).
+    ``readings`` are the key's policy readings and ``running`` its running calls if already read
+    (see ``read_keys``).
     """
     paused_until = _paused_until(key, state, now, policies)
     if paused_until is not None:
@@ -337,9 +465,12 @@ def check_key(
     reserved_units = 0 if for_start else max(getattr(state, "reserved_units", 0) or 0, 0)
     verdicts: list[Verdict] = []
     caps = [p.concurrency for p in governing if p.concurrency]
+    if caps and (readings is None or running is None):
+        found, counts = read_keys({key: governing}, {key: state}, now, using)
+        readings, running = found[key], counts[key]
     if caps:
         cap = min(caps)
-        busy = max(state.running, 0) + reserved
+        busy = (running or 0) + reserved
         verdicts.append(Verdict(
             room=cap - busy, until=None, reason=f"concurrency {busy}/{cap}", key=key,
             kind=Hold.CONCURRENCY if cap - busy <= 0 else None,
@@ -361,10 +492,11 @@ def check_key(
 
 @dataclass
 class Assessment:
-    """Each key's verdict, and the readings it was judged on (a start writes from them)."""
+    """Each key's verdict, and the readings and running calls it was judged on (a start writes from them)."""
 
     verdicts: dict[str, Verdict]
     readings: dict[str, list[Reading]]
+    running: dict[str, int] = field(default_factory=dict)
 
 
 def assess(
@@ -376,23 +508,25 @@ def assess(
     for_start: bool,
     costs: Mapping[str, int] | None = None,
     using: str | None = None,
+    read: Read | None = None,
 ) -> Assessment:
-    """Judge every key, reading all their policies in one query."""
+    """Judge every key, reading all their policies in one query (none if ``read`` has them)."""
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
         k: governing for k, governing in governed.items()
         if governing and _paused_until(k, states[k], now, policies) is None
     }
-    readings = read_policies(to_read, states, now, using)
+    readings, running = (read.readings, read.running) if read is not None else read_keys(to_read, states, now, using)
     costs = costs or {}
     verdicts = {
         k: check_key(
-            k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1)
+            k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1),
+            running=running.get(k, 0),
         )
         for k in keys
     }
-    return Assessment(verdicts, readings)
+    return Assessment(verdicts, readings, running)
 
 
 def check_each_key(
@@ -455,6 +589,61 @@ def start_record(
     return record
 
 
+class Group:
+    """Calls started together (one message): each admitted call counts against the next.
+
+    Built on the keys' readings under their locks at ``now``; ``admit`` moves the readings, the
+    running totals and the running calls as the call's start will, so ``check`` judges the next
+    call as a start after it would be judged.
+    """
+
+    def __init__(self, states: Mapping[str, KeyState], policies: Policies, now: datetime, assessment: Assessment):
+        self.states, self.policies, self.now = states, policies, now
+        self.readings = {key: list(found) for key, found in assessment.readings.items()}
+        self.running = dict(assessment.running)
+        # What storage said of each window: its units and where they start (the group's own
+        # starts come after them, all at ``now``).
+        self.stored = {key: [(r.used, r.leaves_at) for r in found] for key, found in self.readings.items()}
+
+    def check(self, keys: Sequence[str], costs: Mapping[str, int]) -> Verdict:
+        return combine([
+            check_key(
+                key, self.states[key], self.now, self.policies, for_start=True, readings=self.readings.get(key, []),
+                cost=costs.get(key, 1), running=self.running.get(key, 0),
+            )
+            for key in keys
+        ])
+
+    def admit(self, keys: Sequence[str], costs: Mapping[str, int]) -> StartRecord:
+        """Return what the call's start writes, and count it."""
+        record = start_record(
+            keys, self.states, Assessment({}, self.readings, self.running), self.policies, self.now, costs
+        )
+        for key in keys:
+            units = costs.get(key, 1)
+            self.states[key].total = (self.states[key].total or 0) + units
+            governing = self.policies.for_key(key)
+            self.readings[key] = [
+                Reading(tat=policy.charge(reading, self.now, units)) if isinstance(policy, TokenBucket)
+                else Reading(
+                    used=reading.used + units, leaves_at=functools.partial(_leaves_at_in_group, *stored, self.now)
+                )
+                for policy, reading, stored in zip(governing, self.readings.get(key, []), self.stored.get(key, []), strict=False)
+            ]
+            if any(p.concurrency for p in governing):
+                self.running[key] = self.running.get(key, 0) + 1
+        return record
+
+
+def _leaves_at_in_group(
+    stored_used: int, stored_leaves_at: Callable[[int], datetime | None] | None, now: datetime, n: int
+) -> datetime | None:
+    """When the n-th unit of a window leaves it, counting a group's own starts (at ``now``) after the stored ones."""
+    if n > stored_used:
+        return now
+    return stored_leaves_at(n) if stored_leaves_at is not None else None
+
+
 def record_starts(at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None) -> None:
     """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
     db = alias(using)
@@ -485,26 +674,22 @@ def adjust(
     keys: Sequence[str],
     *,
     reserved: int = 0,
-    running: int = 0,
     units: Mapping[str, int] | None = None,
     totals: Mapping[str, int] | None = None,
     using: str | None = None,
 ) -> None:
-    """Move the in-flight counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
+    """Move the reserved counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
 
-    ``totals`` sets the keys' running totals of units started (a start's new totals).
+    ``totals`` sets the keys' running totals of units started (a start's new totals). Running
+    calls have no counter: a capped key counts them from the calls at its check (``read_keys``).
     """
-    if not keys or (reserved == 0 and running == 0):
+    if not keys or reserved == 0:
         return
     states = tables.KeyState.objects.using(alias(using))
-    if reserved == 0 and not totals:
-        states.filter(key__in=list(keys)).update(running=models.F("running") + running)
-        return
     if units is None and not totals:
         states.filter(key__in=list(keys)).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + reserved,
-            running=models.F("running") + running,
         )
         return
     # Per key: each moves by its own units, and a start sets each key's own running total.
@@ -513,7 +698,6 @@ def adjust(
         states.filter(key=key).update(
             reserved=models.F("reserved") + reserved,
             reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
-            running=models.F("running") + running,
             **({"total": totals[key]} if totals else {}),
         )
 

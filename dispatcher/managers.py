@@ -100,6 +100,10 @@ class Started:
     wait: timedelta = timedelta(0)
 
 
+class _GroupRaced(Exception):
+    """A call of a message's group was no longer the delivery's to start: start each on its own."""
+
+
 @dataclass
 class RescueReport:
     dispatched: int = 0
@@ -579,11 +583,14 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         with transaction.atomic(using=self.db):
             if keys:
                 states = limiter.lock_keys(keys, using=self.db)
-                # Read after the lock wait, so a policy edit committed meanwhile binds this start.
-                policies, now = limiter.Policies.load_with_clock(self.db)
+                # Read after the lock wait, so a policy edit committed meanwhile binds this start;
+                # with the policies this process kept, in the statement that reads the windows.
+                policies, now, read = limiter.policies_for_start(keys, states, using=self.db)
                 # Re-checked at the start itself: a message may have waited in the broker while
                 # the window filled, a policy tightened or a pause began.
-                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, using=self.db)
+                assessment = limiter.assess(
+                    keys, states, now, policies, for_start=True, costs=costs, read=read, using=self.db
+                )
                 verdict = limiter.combine(list(assessment.verdicts.values()))
                 if (
                     verdict.blocked and verdict.until is not None
@@ -616,6 +623,137 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             return Started("stale", reason="claimed by another delivery")
         return Started("started", call=started[0], attempt=started[1], capped=capped)
 
+    def start_many(
+        self, deliveries: Sequence[tuple[int, int]], worker: str = "", *, may_wait: timedelta = timedelta(0)
+    ) -> list[Started]:
+        """Start the calls of one message together; return one ``Started`` per delivery, in order.
+
+        One transaction locks all their keys once and checks the calls against the limits as
+        one group, in the message's order (each admitted call counts against the next); a call
+        that does not fit goes back to wait, as ``start()`` defers one, unless its keys have
+        room within ``may_wait``: then nothing changes for it ("early"). One statement marks the
+        admitted calls running and writes their attempts, start logs, buckets and counters. If
+        a duplicate delivery started one of them meanwhile, nothing of the group is kept and
+        each is started on its own. SQLite starts them one by one.
+        """
+        worker = worker[:200]
+        if connections[self.db].vendor != "postgresql" or len(deliveries) < 2:
+            return [
+                self.start(call_id, dispatch_no, worker, may_wait=may_wait) for call_id, dispatch_no in deliveries
+            ]
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql.call_heads(), [[call_id for call_id, _ in deliveries]])
+            heads = {row[0]: row[1:] for row in cursor.fetchall()}
+        results: dict[int, Started] = {}
+        live: list[tuple[int, int, int, list[str], dict[str, int]]] = []
+        seen: set[int] = set()
+        for index, (call_id, dispatch_no) in enumerate(deliveries):
+            head = heads.get(call_id)
+            if head is None or call_id in seen:
+                results[index] = Started("stale", reason="no such call" if head is None else "twice in one message")
+            elif head[1] != Status.DISPATCHED or head[2] != dispatch_no:
+                results[index] = Started(
+                    "stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}"
+                )
+            else:
+                keys = parse_key_set(head[0])
+                cost = _json_value(head[3]) or {}
+                live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
+                seen.add(call_id)
+        try:
+            results.update(self._start_group(live, worker, may_wait))
+        except _GroupRaced:
+            for index, call_id, dispatch_no, _, _ in live:
+                results[index] = self.start(call_id, dispatch_no, worker, may_wait=may_wait)
+        return [results[index] for index in range(len(deliveries))]
+
+    def _start_group(
+        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str, may_wait: timedelta
+    ) -> dict[int, Started]:
+        """Start (or defer) the live deliveries of a message in one transaction; see start_many()."""
+        results: dict[int, Started] = {}
+        if not live:
+            return results
+        all_keys = sorted({key for _, _, _, keys, _ in live for key in keys})
+        with transaction.atomic(using=self.db):
+            states = limiter.lock_keys(all_keys, using=self.db)
+            policies, now, read = limiter.policies_for_start(all_keys, states, using=self.db)
+            group = limiter.Group(states, policies, now, limiter.assess(
+                all_keys, states, now, policies, for_start=True, read=read, using=self.db
+            ))
+            admitted = []
+            for index, call_id, dispatch_no, keys, costs in live:
+                verdict = group.check(keys, costs)
+                if not verdict.blocked:
+                    capped = any(p.concurrency for key in keys for p in policies.for_key(key))
+                    admitted.append((index, call_id, dispatch_no, group.admit(keys, costs), capped))
+                    continue
+                if verdict.until is not None and verdict.until - now <= may_wait:
+                    results[index] = Started(
+                        "early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
+                    )
+                    continue
+                until = verdict.until or now + timedelta(seconds=1)
+                deferred = self.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
+                    status=Status.PENDING, dispatched_at=None, run_at=until
+                )
+                if not deferred:
+                    raise _GroupRaced
+                limiter.adjust(keys, reserved=-1, units=costs, using=self.db)
+                results[index] = Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
+            if admitted:
+                started = self._mark_running_group(admitted, now, worker, group)
+                if len(started) < len(admitted):
+                    raise _GroupRaced  # rolls back the whole group
+                for index, call_id, _, _, capped in admitted:
+                    call, attempt = started[call_id]
+                    results[index] = Started("started", call=call, attempt=attempt, capped=capped)
+        return results
+
+    def _mark_running_group(
+        self, admitted: list[tuple[int, int, int, limiter.StartRecord, bool]], now: datetime, worker: str,
+        group: limiter.Group,
+    ) -> dict[int, tuple[CallQueue, Attempt]]:
+        """One statement (``sql.mark_running_group``): mark the admitted calls running, open their
+        attempts, write their start logs, the buckets' last states and each key's counters (only
+        if every call was won)."""
+        log = [(key, units, cum, call_id) for _, call_id, _, record, _ in admitted for key, units, cum in record.log]
+        buckets: dict[tuple[str, timedelta], int] = {}
+        for _, _, _, record, _ in admitted:
+            for key, period, tat in record.buckets:
+                buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
+        moved: dict[str, list[int]] = {}
+        for key, units, _, _ in log:
+            calls_units = moved.setdefault(key, [0, 0])
+            calls_units[0] += 1
+            calls_units[1] += units
+        params: dict[str, Any] = {
+            "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now,
+            "worker": worker, "n": len(admitted),
+            "ids": [call_id for _, call_id, _, _, _ in admitted], "nos": [no for _, _, no, _, _ in admitted],
+            "log_keys": [row[0] for row in log], "log_units": [row[1] for row in log],
+            "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
+            "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
+            "b_tats": list(buckets.values()),
+            "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
+            "c_totals": [group.states[key].total for key in moved],
+        }
+        with connections[self.db].cursor() as cursor:
+            cursor.execute(sql.mark_running_group(), params)
+            rows = cursor.fetchall()
+        started: dict[int, tuple[CallQueue, Attempt]] = {}
+        for row in rows:
+            call, attempt = self._started_from_row(row, now, worker)
+            started[call.id] = (call, attempt)
+        return started
+
+    def _started_from_row(self, row: Sequence[Any], now: datetime, worker: str) -> tuple[CallQueue, Attempt]:
+        """The call and attempt a start statement returned (the attempt's id and number, then the call)."""
+        call = _call_from_row(self.model, self.db, row[2:])
+        attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+        attempt._state.adding, attempt._state.db = False, self.db
+        return call, attempt
+
     def _mark_running(
         self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
         record: limiter.StartRecord | None,
@@ -642,7 +780,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         )
         limiter.record_starts(now, record, call_id, using=self.db)
         limiter.adjust(
-            keys, reserved=-1, running=1, units={key: units for key, units, _ in record.log},
+            keys, reserved=-1, units={key: units for key, units, _ in record.log},
             totals={key: cum for key, _, cum in record.log}, using=self.db,
         )
         return call, attempt
@@ -656,7 +794,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
             "log_keys": [k for k, _, _ in record.log], "log_units": [u for _, u, _ in record.log],
-            "log_cums": [c for _, _, c in record.log],
+            "log_cums": [c for _, _, c in record.log], "log_calls": [call_id for _ in record.log],
             "b_keys": [k for k, _, _ in record.buckets], "b_periods": [p for _, p, _ in record.buckets],
             "b_tats": [t for _, _, t in record.buckets],
         }
@@ -665,16 +803,15 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             row = cursor.fetchone()
         if row is None:
             return None
-        call = _call_from_row(self.model, self.db, row[2:])
-        attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
-        attempt._state.adding, attempt._state.db = False, self.db
-        return call, attempt
+        return self._started_from_row(row, now, worker)
 
     def _finish(
         self, call: CallQueue, attempt: Attempt, outcome: str, error: str, *, wake: bool = True, **changes: Any
     ) -> bool:
         keys = parse_key_set(call.key_set)
         error = error[:MAX_ERROR_CHARS]
+        # No key is locked: running calls have no counter (a capped key counts its running calls
+        # at each check, under its lock), so finishes never wait on the starts of their keys.
         if self._on_postgresql():
             won = self._finish_postgresql(call, attempt.id, keys, outcome, error, changes, wake)
         else:
@@ -697,9 +834,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
         changes: dict[str, Any], wake: bool,
     ) -> bool:
-        """Under the keys' locks: the guarded update, the attempt, the counters, the wake-up."""
+        """The guarded update, the attempt, the wake-up; no key is locked (see ``_finish``)."""
         with transaction.atomic(using=self.db):
-            limiter.lock_keys(keys, using=self.db)
             now = db_now(self.db)
             changes, wake = self._finish_changes(changes, now, keys, wake)
             won = bool(self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**changes))
@@ -707,7 +843,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 tables.Attempt.objects.using(self.db).filter(id=attempt_id).update(
                     finished_at=now, outcome=outcome, error=error
                 )
-                limiter.adjust(keys, running=-1, using=self.db)
                 if wake:
                     limiter.wake_dispensers(using=self.db)
         return won
@@ -716,19 +851,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
         changes: dict[str, Any], wake: bool,
     ) -> bool:
-        """The same in one statement (``sql.finish``), atomic by itself, that also locks the key rows.
-
-        Its call row may be locked before them, the reverse of a start; only a rescue of this
-        very call (past DISPATCHER_RUN_TIMEOUT) or a duplicate delivery racing its first start
-        takes both the other way, and then PostgreSQL ends one of the two: a finish is retried
-        by the worker, a duplicate start does nothing.
-        """
+        """The same in one statement (``sql.finish``), atomic by itself."""
         now = db_now(self.db)
         changes, wake = self._finish_changes(changes, now, keys, wake)
         db = connections[self.db]
         values = [self.model._meta.get_field(name).get_db_prep_save(value, db) for name, value in changes.items()]
         params = [
-            keys, *values, call.id, Status.RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
+            *values, call.id, Status.RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
             limiter.WAKE_CHANNEL, wake,
         ]
         with db.cursor() as cursor:
@@ -740,6 +869,31 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         return self._finish(
             call, attempt, Outcome.DONE, "", wake=wake, status=Status.DONE, result=result, finished_at=lambda now: now, last_error=""
         )
+
+    def finish_done_many(self, done: Sequence[tuple[CallQueue, Attempt, Any, bool]]) -> int:
+        """Record successful attempts (call, attempt, result, wake) together; return how many were won.
+
+        On PostgreSQL one statement, as ``finish_done`` for one; a call rescued while it ran is
+        not won (and logged), as there.
+        """
+        db = connections[self.db]
+        if db.vendor != "postgresql" or len(done) < 2:
+            return sum(self.finish_done(call, attempt, result, wake=wake) for call, attempt, result, wake in done)
+        result_field = self.model._meta.get_field("result")
+        params: dict[str, Any] = {
+            "ids": [call.id for call, _, _, _ in done], "nos": [call.dispatch_no for call, _, _, _ in done],
+            "attempts": [attempt.id for _, attempt, _, _ in done],
+            "results": [result_field.get_db_prep_save(result, db) for _, _, result, _ in done],
+            "wakes": [bool(wake) and bool(call.key_set) for call, _, _, wake in done],
+            "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": limiter.WAKE_CHANNEL,
+        }
+        with db.cursor() as cursor:
+            cursor.execute(sql.finish_done_many(), params)
+            won = {row[0] for row in cursor.fetchall()}
+        for call, attempt, _, _ in done:
+            if call.id not in won:
+                log.warning("finish_lost call=%s attempt=%s outcome=done", call.id, attempt.number)
+        return len(won)
 
     def finish_error(
         self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True
@@ -784,7 +938,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 return False
             tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=Outcome.RATE_LIMITED, error=error[:MAX_ERROR_CHARS])
             limiter.pause(paused, until, reason=f"429 from call #{call.id}", using=self.db)
-            limiter.adjust(keys, running=-1, using=self.db)
         return True
 
     def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
@@ -896,7 +1049,6 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         status=Status.PENDING, dispatched_at=None, run_at=now + policy.delay(call.attempts), last_error=error
                     )
                     outcome = Status.RUNNING
-                limiter.adjust(keys, running=-1, using=self.db)
             else:
                 return ""
             limiter.wake_dispensers(using=self.db)

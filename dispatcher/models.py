@@ -180,7 +180,6 @@ class KeyState(models.Model):
     reserved = models.IntegerField(default=0, help_text="Calls dispatched and not yet started.")
     reserved_units = models.IntegerField(default=0, help_text="Units of the calls dispatched and not yet started.")
     total = models.BigIntegerField(default=0, help_text="Units ever started under the key: the start log's running total.")
-    running = models.IntegerField(default=0, help_text="Calls running now.")
     paused_until = models.DateTimeField(null=True, blank=True)
     pause_reason = models.CharField(max_length=200, blank=True, default="")
 

@@ -112,13 +112,35 @@ def listen(channel: str) -> str:
     return f"LISTEN {channel}"
 
 
+# The policies' version: a counter that every edit of what the policies' query reads bumps (a
+# table and triggers of migration 0008, PostgreSQL only, with no model, hence its name here);
+# NULL if its row is missing, which only disables keeping the policies between starts.
+POLICY_VERSION = "(SELECT version FROM dispatcher_policy_version WHERE id = 1)"
+
+
 def policies_with_clock(policies: str) -> str:
-    """The policies' query (compiled by the ORM) joined to the clock, so one round trip reads both.
+    """The policies' query (compiled by the ORM) joined to the clock and their version: one round trip.
 
     The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one), and the
     LEFT JOIN returns it even when no policy exists.
     """
-    return f"SELECT c.now, p.* FROM (SELECT {CLOCK} AS now) c LEFT JOIN ({policies}) p ON TRUE"
+    return (
+        f"SELECT c.now, c.version, p.* FROM (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version) c"
+        f" LEFT JOIN ({policies}) p ON TRUE"
+    )
+
+
+@functools.cache
+def policies_for_start(kinds: tuple[str, ...], policies: str) -> str:
+    """A start's one statement with kept policies: the clock, the version, the keys' probes
+    (``kinds``, windows measured back from this clock), and the policies only if the version
+    differs from %s or the clock reached %s (the first kept learnt limit's expiry)."""
+    probes = "".join(", " + probe for probe in _probes(kinds, "c.now - %s"))
+    return (
+        f"WITH c AS MATERIALIZED (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version)"
+        f" SELECT c.now, c.version{probes}, p.* FROM c"
+        f" LEFT JOIN ({policies}) p ON (c.version IS DISTINCT FROM %s OR c.now >= %s)"
+    )
 
 
 # --- the limiter -------------------------------------------------------------------------------
@@ -138,19 +160,42 @@ def _bucket_probe() -> str:
 
 
 @functools.cache
-def _window_probe() -> str:
-    # The running total before a window's first start (params: key, window start): one index probe.
+def _window_probe(since: str) -> str:
+    # The running total before a window's first start (params: key, then the window's start as
+    # ``since`` takes it): one index probe.
     key, started_at, cum = column("KeyStart", "key"), column("KeyStart", "started_at"), column("KeyStart", "cum")
     return (
         f"(SELECT {cum} - {column('KeyStart', 'units')} FROM {table('KeyStart')}"
-        f" WHERE {key} = %s AND {started_at} >= %s ORDER BY {started_at}, {cum} LIMIT 1)"
+        f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum} LIMIT 1)"
     )
 
 
 @functools.cache
-def policy_readings(buckets: tuple[bool, ...]) -> str:
-    """Read every policy of a check in one row: per policy a bucket's timestamp (True) or a window's base (False)."""
-    return "SELECT " + ", ".join(_bucket_probe() if bucket else _window_probe() for bucket in buckets)
+def _running_probe(postgresql: bool) -> str:
+    # How many running calls have the key (param: key), through the partial index on calls in
+    # flight (its first column is the status). Exact under the key's lock: a call becomes running
+    # only in a start holding it, and a finish committed after this statement's snapshot is
+    # counted as still running, which errs on the side of the cap.
+    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
+    running = f"{column('CallQueue', 'status')} = '{CallStatus.RUNNING.value}'"
+    if postgresql:
+        has_key = f"jsonb_exists({key_set}::jsonb, %s)"
+    else:
+        has_key = f"EXISTS (SELECT 1 FROM json_each({call}.{key_set}) AS k WHERE k.value = %s)"
+    return f"(SELECT COUNT(*) FROM {call} WHERE {running} AND {has_key})"
+
+
+def _probes(kinds: tuple[str, ...], since: str, postgresql: bool = True) -> list[str]:
+    # One column per probe: "bucket" (params: key, period), "window" (key, window start),
+    # "running" (key).
+    made = {"bucket": _bucket_probe(), "window": _window_probe(since), "running": _running_probe(postgresql)}
+    return [made[kind] for kind in kinds]
+
+
+@functools.cache
+def policy_readings(kinds: tuple[str, ...], postgresql: bool) -> str:
+    """Read every probe of a check in one row (see ``_probes``); standard SQL but for the running count."""
+    return "SELECT " + ", ".join(_probes(kinds, "%s", postgresql))
 
 
 @functools.cache
@@ -284,15 +329,111 @@ def claim_due() -> str:
 
 # --- calls: start and finish -------------------------------------------------------------------
 
-# The start log of one start as three arrays, one row per key (key, units, running total).
-_START_LOG = "unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[]) AS log(key, units, cum)"
+# The start log as arrays, one row per key and call (key, units, running total, call; a single
+# start passes no calls and its log rows name the started call).
+_START_LOG = (
+    "unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[], %(log_calls)s::bigint[])"
+    " AS log(key, units, cum, call_id)"
+)
+
+
+# What a start checks of a call before any lock.
+_HEAD_FIELDS = ("key_set", "status", "dispatch_no", "cost")
 
 
 @functools.cache
 def call_head() -> str:
     """Read what a start checks before any lock: key_set, status, dispatch_no and cost of call %s."""
-    names = ", ".join(column("CallQueue", name) for name in ("key_set", "status", "dispatch_no", "cost"))
+    names = ", ".join(column("CallQueue", name) for name in _HEAD_FIELDS)
     return f"SELECT {names} FROM {table('CallQueue')} WHERE {column('CallQueue', 'id')} = %s"
+
+
+@functools.cache
+def call_heads() -> str:
+    """The same for the calls whose ids are in %s (an array), each row led by its id."""
+    names = ", ".join(column("CallQueue", name) for name in ("id", *_HEAD_FIELDS))
+    return f"SELECT {names} FROM {table('CallQueue')} WHERE {column('CallQueue', 'id')} = ANY(%s)"
+
+
+def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
+    """The CTEs every start writes besides the calls: the attempts, the start log, the buckets.
+
+    ``source`` is the CTE of the started calls, ``call_id`` the expression of a log row's call,
+    ``only_if`` a FROM item and condition that must hold for the log and the buckets to be written.
+    """
+    c = functools.partial(column, "CallQueue")
+    attempt_columns, attempt_values = _insert("Attempt", {
+        "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "%(now)s",
+        "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
+    })
+    log_columns, log_values = _insert("KeyStart", {
+        "key": "log.key", "started_at": "%(now)s", "units": "log.units", "cum": "log.cum", "call_id": call_id,
+    })
+    bucket_columns, bucket_values = _insert("KeyBucket", {
+        "key": "b.key", "period": "b.period", "tat_us": "b.tat_us", "since": "%(now)s",
+    })
+    gate, condition = only_if
+    return f"""
+        attempt AS (
+            INSERT INTO {table('Attempt')} ({attempt_columns})
+            SELECT {attempt_values} FROM {source}
+            RETURNING {column('Attempt', 'id')} AS id, {column('Attempt', 'number')} AS number,
+                {column('Attempt', 'call')} AS call_id
+        ), start_log AS (
+            INSERT INTO {table('KeyStart')} ({log_columns})
+            SELECT {log_values} FROM {gate}, {_START_LOG} WHERE {condition}
+        ), buckets AS (
+            INSERT INTO {table('KeyBucket')} ({bucket_columns})
+            SELECT {bucket_values}
+            FROM {gate}, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
+                AS b(key, period, tat_us)
+            WHERE {condition}
+            ON CONFLICT ({column('KeyBucket', 'key')}, {column('KeyBucket', 'period')})
+            DO UPDATE SET {column('KeyBucket', 'tat_us')} = EXCLUDED.{column('KeyBucket', 'tat_us')}
+        )"""
+
+
+@functools.cache
+def mark_running_group() -> str:
+    """Start the admitted calls of one message in one statement (``start_many``).
+
+    Params: the calls' ids and dispatch numbers (%(ids)s, %(nos)s) and their count (%(n)s); the
+    start log with each row's call (%(log_calls)s); the buckets' last states; per key the calls,
+    units and running total the group moves (%(c_keys)s, %(c_calls)s, %(c_units)s, %(c_totals)s).
+    The log, buckets and counters are written only if every call was won; the caller rolls the
+    transaction back otherwise. Returns per started call its attempt's id and number, then every
+    column of the call (``columns`` order).
+    """
+    call = table("CallQueue")
+    c = functools.partial(column, "CallQueue")
+    k = functools.partial(column, "KeyState")
+    started = _assignments("CallQueue", {
+        "status": "%(running)s", "started_at": "%(now)s", "attempts": f"{call}.{c('attempts')} + 1",
+    })
+    counters = _assignments("KeyState", {
+        "reserved": f"{k('reserved')} - g.calls", "reserved_units": f"{k('reserved_units')} - g.units",
+        "total": "g.total",
+    })
+    return f"""
+        WITH d AS (
+            SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[]) AS d(id, dispatch_no)
+        ), started AS (
+            UPDATE {call} SET {started}
+            FROM d
+            WHERE {call}.{c('id')} = d.id AND {call}.{c('status')} = %(dispatched)s
+                AND {call}.{c('dispatch_no')} = d.dispatch_no
+            RETURNING {call}.*
+        ), won AS (
+            SELECT COUNT(*) = %(n)s AS all_won FROM started
+        ), {_start_writes("started", "log.call_id", ("won", "won.all_won"))}, counters AS (
+            UPDATE {table('KeyState')} AS state SET {counters}
+            FROM won, unnest(%(c_keys)s::text[], %(c_calls)s::int[], %(c_units)s::int[], %(c_totals)s::bigint[])
+                AS g(key, calls, units, total)
+            WHERE state.{k('key')} = g.key AND won.all_won
+        )
+        SELECT attempt.id, attempt.number, {columns('CallQueue', 'started.')}
+        FROM started JOIN attempt ON attempt.call_id = started.{c('id')}
+    """
 
 
 @functools.cache
@@ -306,40 +447,16 @@ def mark_running() -> str:
     started = _assignments("CallQueue", {
         "status": "%(running)s", "started_at": "%(now)s", "attempts": f"{c('attempts')} + 1",
     })
-    attempt_columns, attempt_values = _insert("Attempt", {
-        "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "%(now)s",
-        "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
-    })
-    log_columns, log_values = _insert("KeyStart", {
-        "key": "log.key", "started_at": "%(now)s", "units": "log.units", "cum": "log.cum", "call_id": "started.id",
-    })
-    bucket_columns, bucket_values = _insert("KeyBucket", {
-        "key": "b.key", "period": "b.period", "tat_us": "b.tat_us", "since": "%(now)s",
-    })
     counters = _assignments("KeyState", {
         "reserved": f"{k('reserved')} - 1", "reserved_units": f"{k('reserved_units')} - log.units",
-        "running": f"{k('running')} + 1", "total": "log.cum",
+        "total": "log.cum",
     })
     return f"""
         WITH started AS (
             UPDATE {table('CallQueue')} SET {started}
             WHERE {c('id')} = %(id)s AND {c('status')} = %(dispatched)s AND {c('dispatch_no')} = %(dispatch_no)s
             RETURNING *
-        ), attempt AS (
-            INSERT INTO {table('Attempt')} ({attempt_columns})
-            SELECT {attempt_values} FROM started
-            RETURNING {column('Attempt', 'id')} AS id, {column('Attempt', 'number')} AS number
-        ), start_log AS (
-            INSERT INTO {table('KeyStart')} ({log_columns})
-            SELECT {log_values} FROM started, {_START_LOG}
-        ), buckets AS (
-            INSERT INTO {table('KeyBucket')} ({bucket_columns})
-            SELECT {bucket_values}
-            FROM started, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
-                AS b(key, period, tat_us)
-            ON CONFLICT ({column('KeyBucket', 'key')}, {column('KeyBucket', 'period')})
-            DO UPDATE SET {column('KeyBucket', 'tat_us')} = EXCLUDED.{column('KeyBucket', 'tat_us')}
-        ), counters AS (
+        ), {_start_writes("started", f"started.{c('id')}", ("started", "TRUE"))}, counters AS (
             UPDATE {table('KeyState')} AS state SET {counters}
             FROM {_START_LOG}
             WHERE state.{k('key')} = log.key AND EXISTS (SELECT 1 FROM started)
@@ -350,33 +467,63 @@ def mark_running() -> str:
 
 @functools.cache
 def finish(changed: tuple[str, ...]) -> str:
-    """Record a finish in one statement: the guarded update, the attempt, the counters, the wake-up.
+    """Record a finish in one statement: the guarded update, the attempt, the wake-up.
 
-    ``changed`` names the call's fields set (params: the keys, one value per changed field, the
-    call's id, status and dispatch_no, the attempt's finish time, outcome and error and id, the
-    wake-up channel, whether to wake). The key rows are locked in key order, as every other
-    locker of several keys does; the counters' UPDATE only touches rows that "locked" already holds.
+    ``changed`` names the call's fields set (params: one value per changed field, the call's id,
+    status and dispatch_no, the attempt's finish time, outcome and error and id, the wake-up
+    channel, whether to wake). No key row is locked: running calls have no counter.
     Returns how many calls it finished (0 or 1) and how many wake-ups it sent.
     """
     c = functools.partial(column, "CallQueue")
-    k = functools.partial(column, "KeyState")
     sets = _assignments("CallQueue", dict.fromkeys(changed, "%s"))
     attempt = _assignments("Attempt", {"finished_at": "%s", "outcome": "%s", "error": "%s"})
     return f"""
-        WITH locked AS (
-            {_lock_key_rows(k('key'))}
-        ), finished AS (
+        WITH finished AS (
             UPDATE {table('CallQueue')} SET {sets}
             WHERE {c('id')} = %s AND {c('status')} = %s AND {c('dispatch_no')} = %s
             RETURNING {c('id')}
         ), attempt AS (
             UPDATE {table('Attempt')} SET {attempt}
             WHERE {column('Attempt', 'id')} = %s AND EXISTS (SELECT 1 FROM finished)
-        ), counters AS (
-            UPDATE {table('KeyState')} SET {k('running')} = {k('running')} - 1
-            WHERE {k('key')} IN (SELECT {k('key')} FROM locked) AND EXISTS (SELECT 1 FROM finished)
         ), wake AS (
             {NOTIFY} FROM finished WHERE %s
         )
         SELECT (SELECT COUNT(*) FROM finished), (SELECT COUNT(*) FROM wake)
+    """
+
+
+@functools.cache
+def finish_done_many() -> str:
+    """Record several successful attempts in one statement (``finish_done_many``), at one clock reading.
+
+    Params: the calls' ids, dispatch numbers, attempts, results and whether each wakes the
+    dispensers (%(ids)s, %(nos)s, %(attempts)s, %(results)s, %(wakes)s); the done status, the
+    attempts' outcome, the running status, the wake-up channel. Returns the ids of the calls won.
+    """
+    call = table("CallQueue")
+    c = functools.partial(column, "CallQueue")
+    a = functools.partial(column, "Attempt")
+    finished = _assignments("CallQueue", {
+        "status": "%(done)s", "result": "d.result", "finished_at": "clock.now", "last_error": "''",
+    })
+    attempt = _assignments("Attempt", {"finished_at": "clock.now", "outcome": "%(outcome)s", "error": "''"})
+    return f"""
+        WITH clock AS MATERIALIZED (
+            SELECT {CLOCK} AS now
+        ), d AS (
+            SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[], %(attempts)s::bigint[], %(results)s::jsonb[],
+                %(wakes)s::bool[]) AS d(id, dispatch_no, attempt_id, result, wake)
+        ), finished AS (
+            UPDATE {call} SET {finished}
+            FROM d, clock
+            WHERE {call}.{c('id')} = d.id AND {call}.{c('status')} = %(running)s
+                AND {call}.{c('dispatch_no')} = d.dispatch_no
+            RETURNING {call}.{c('id')} AS id, d.attempt_id, d.wake
+        ), attempt AS (
+            UPDATE {table('Attempt')} SET {attempt}
+            FROM finished, clock WHERE {table('Attempt')}.{a('id')} = finished.attempt_id
+        ), wake AS (
+            {NOTIFY.replace("%s", "%(channel)s")} WHERE EXISTS (SELECT 1 FROM finished WHERE wake)
+        )
+        SELECT id FROM finished, (SELECT COUNT(*) FROM wake) AS woken
     """

@@ -236,12 +236,14 @@ def _key_state(key: str, states: dict[str, Any]) -> Any:
     return states.get(key) or KeyState(key=key)
 
 
-def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies) -> KeyStatus:
+def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies, running: int) -> KeyStatus:
     governing = policies.for_key(key)
     readings = limiter.read_policies({key: governing}, {key: state}, now)[key] if governing else []
     pattern_pause = policies.pattern_pause(key)
     pauses = [t for t in (state.paused_until, pattern_pause) if t is not None and t > now]
-    verdict = limiter.check_key(key, state, now, policies, for_start=False, readings=readings)
+    verdict = limiter.check_key(
+        key, state, now, policies, for_start=False, readings=readings, running=running
+    )
     reserved_units = max(state.reserved_units or 0, 0)
     status = KeyStatus(
         key=key,
@@ -254,7 +256,7 @@ def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies)
             for p, r in zip(governing, readings, strict=True)
         ],
         reserved=max(state.reserved, 0),
-        running=max(state.running, 0),
+        running=running,
         paused_until=max(pauses) if pauses else None,
         pause_reason=state.pause_reason if state.paused_until in pauses else "pattern paused" if pauses else "",
         room=verdict.room,
@@ -294,11 +296,12 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     now = now or db_now()
     policies = limiter.Policies.load()
     waiting = waiting_by_key(now)
+    running = limiter.running_by_key(keys)
     if keys is None:
-        wanted = set(waiting)
+        wanted = set(waiting) | set(running)
         wanted.update(k for k in RateLimit.objects.values_list("key", flat=True) if not is_pattern(k))
         wanted.update(
-            KeyState.objects.filter(Q(reserved__gt=0) | Q(running__gt=0) | Q(paused_until__gt=now))
+            KeyState.objects.filter(Q(reserved__gt=0) | Q(paused_until__gt=now))
             .exclude(key__endswith="*")
             .values_list("key", flat=True)
         )
@@ -310,7 +313,7 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     states = {s.key: s for s in KeyState.objects.filter(key__in=wanted)}
     result = []
     for key in sorted(wanted):
-        status = _status_for(key, _key_state(key, states), now, policies)
+        status = _status_for(key, _key_state(key, states), now, policies, running.get(key, 0))
         status.waiting, status.due, status.oldest_waiting_since = waiting.get(key, (0, 0, None))
         result.append(status)
     return result

@@ -12,7 +12,7 @@ from dispatcher.beat import DISPENSE, PRUNE, RESCUE
 from dispatcher.conf import dispatcher_settings
 from dispatcher.dispenser import RUN_CALL, RUN_CALLS, Dispenser
 from dispatcher.models import CallQueue
-from dispatcher.worker import execute
+from dispatcher.worker import execute, execute_many
 
 log = logging.getLogger("dispatcher")
 
@@ -43,20 +43,13 @@ def run_call(call_id: int, dispatch_no: int) -> str:
 
 @shared_task(name=RUN_CALLS, ignore_result=True)
 def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
-    """Run several deliveries one after another (DISPATCHER_CALLS_PER_MESSAGE > 1)."""
-    outcomes: dict[str, int] = {}
-    for call_id, dispatch_no in deliveries:
-        close_old_connections()
-        try:
-            state = execute(call_id, dispatch_no)
-        except Exception:
-            # One call's failure to start or record must not strand the others of the message;
-            # the rescue sweep returns this one.
-            log.exception("run_calls_failed call=%s dispatch=%s", call_id, dispatch_no)
-            state = "failed_to_record"
-        outcomes[state] = outcomes.get(state, 0) + 1
-    _release_greenlet_connection()
-    return outcomes
+    """Run several deliveries (DISPATCHER_CALLS_PER_MESSAGE > 1): started together, their
+    handlers run at once, their outcomes recorded together (see ``worker.execute_many``)."""
+    close_old_connections()
+    try:
+        return execute_many([(int(call_id), int(dispatch_no)) for call_id, dispatch_no in deliveries])
+    finally:
+        _release_greenlet_connection()
 
 
 @shared_task(name=DISPENSE, ignore_result=True)

@@ -9,6 +9,9 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connections
@@ -17,7 +20,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
-from dispatcher.models import CallQueue
+from dispatcher.models import Attempt, CallQueue
 from dispatcher.registry import get_handler
 from dispatcher.validation import bounded_seconds, check_json
 
@@ -92,30 +95,139 @@ def execute(call_id: int, dispatch_no: int) -> str:
 
 def _run(call: Any, attempt: Any, capped: bool) -> str:
     """Run the handler of a started call and record its outcome."""
+    return _record_outcome(call, attempt, capped, _call_handler(call))
+
+
+@dataclass
+class Outcome:
+    """What a handler did: "done" with its result, or the exception it raised and its traceback."""
+
+    kind: str  # "done", "rate_limited", "failed" or "error"
+    result: Any = None
+    error: BaseException | None = None
+    traceback: str = ""
+
+
+def _call_handler(call: Any) -> Outcome:
+    """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys):  # the keys an API's rate-limit signals apply to
             result = fn(**call.params)
     except RateLimited as exc:
+        return Outcome("rate_limited", error=exc)
+    except (PermanentError, UnknownMethod) as exc:
+        return Outcome("failed", error=exc, traceback=traceback.format_exc())
+    except Exception as exc:
+        return Outcome("error", error=exc, traceback=traceback.format_exc())
+    return Outcome("done", result=_jsonable(result))
+
+
+def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> str:
+    """Record what a started call's handler did; return the run's state."""
+    exc = outcome.error
+    if outcome.kind == "rate_limited":
+        assert isinstance(exc, RateLimited)
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
         retry_after = bounded_seconds(exc.retry_after)
         _record(CallQueue.objects.finish_rate_limited, call, attempt, retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
         return "rate_limited"
-    except (PermanentError, UnknownMethod) as exc:
+    if outcome.kind in ("failed", "error"):
         _record(
-            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=True, wake=capped,
+            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", outcome.traceback,
+            permanent=outcome.kind == "failed", wake=capped,
         )
-        log.info("run_failed call=%s error=%r", call.id, exc)
-        return "failed"
-    except Exception as exc:
-        _record(
-            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-            permanent=False, wake=capped,
-        )
-        log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
-        return "error"
-    _record(CallQueue.objects.finish_done, call, attempt, _jsonable(result), wake=capped)
+        if outcome.kind == "failed":
+            log.info("run_failed call=%s error=%r", call.id, exc)
+        else:
+            log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
+        return outcome.kind
+    _record(CallQueue.objects.finish_done, call, attempt, outcome.result, wake=capped)
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
     return "done"
+
+
+@dataclass
+class Run:
+    """A call of a message that started, with its attempt."""
+
+    call: CallQueue
+    attempt: Attempt
+    capped: bool
+
+
+# Most handlers of one message run at once (DISPATCHER_CALLS_PER_MESSAGE > 1).
+MESSAGE_THREADS = 8
+
+
+def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
+    """Run the deliveries of one message: start them together, run their handlers at once (a
+    small thread pool), record the outcomes (the successful ones together); return the count
+    of each outcome."""
+    worker = f"{socket.gethostname()}:{os.getpid()}"
+    outcomes: dict[str, int] = {}
+    runs: list[Run] = []
+    # Calls claimed ahead of their slot wait for it (briefly, holding no lock), as one call does.
+    ahead = dispatcher_settings.DISPATCH_AHEAD
+    pending = list(deliveries)
+    for tries in range(EARLY_TRIES + 1):
+        may_wait = ahead if tries < EARLY_TRIES else timedelta(0)
+        started = _record(CallQueue.objects.start_many, pending, worker=worker, may_wait=may_wait)
+        early = []
+        for (call_id, dispatch_no), one in zip(pending, started, strict=True):
+            if one.state == "started":
+                assert one.call is not None and one.attempt is not None
+                runs.append(Run(one.call, one.attempt, one.capped))
+                log.info("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
+            elif one.state == "early":
+                early.append(((call_id, dispatch_no), one.wait))
+            else:
+                log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)
+                outcomes[one.state] = outcomes.get(one.state, 0) + 1
+        if not early:
+            break
+        pending = [delivery for delivery, _ in early]
+        time.sleep(min(wait for _, wait in early).total_seconds())
+    if not runs:
+        return outcomes
+    with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
+        done = list(pool.map(_call_handler_in_pool, [run.call for run in runs]))
+    # One call's (or the successes') failure to record must not strand the others: what could not
+    # be recorded stays running until the rescue sweep returns it.
+    finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == "done"]
+    if finished:
+        try:
+            _record(
+                CallQueue.objects.finish_done_many,
+                [(run.call, run.attempt, outcome.result, run.capped) for run, outcome in finished],
+            )
+        except Exception:
+            log.exception("run_calls_failed calls=%s", [run.call.id for run, _ in finished])
+            outcomes["failed_to_record"] = outcomes.get("failed_to_record", 0) + len(finished)
+        else:
+            for run, _ in finished:
+                log.info("run_done call=%s attempt=%s", run.call.id, run.attempt.number)
+            outcomes["done"] = outcomes.get("done", 0) + len(finished)
+    for run, (outcome, reported) in zip(runs, done, strict=True):
+        try:
+            if outcome.kind != "done":
+                state = _record_outcome(run.call, run.attempt, run.capped, outcome)
+                outcomes[state] = outcomes.get(state, 0) + 1
+            if reported is not None:
+                deltas = _record(CallQueue.objects.correct_cost, run.call, reported)
+                log.info("run_cost_corrected call=%s change=%s", run.call.id, deltas)
+        except Exception:
+            log.exception("run_calls_failed call=%s", run.call.id)
+            outcomes["failed_to_record"] = outcomes.get("failed_to_record", 0) + 1
+    return outcomes
+
+
+def _call_handler_in_pool(call: Any) -> tuple[Outcome, Any]:
+    """Run a handler in a thread of the message's pool; return what it did and the cost it reported."""
+    take_reported()
+    try:
+        return _call_handler(call), take_reported()
+    finally:
+        # A handler that used the database did so on this thread's own connection.
+        connections.close_all()

@@ -147,7 +147,7 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason, make_call
         expected = ["key api: 1 per 1m used; next slot frees at 20", "UTC (in 30 s)"]
     else:
         RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
-        KeyState.objects.update_or_create(key="api", defaults={"running": 1})
+        make_call(status="running")
         call = make_call()
         expected = ["concurrency 1/1", "until a call in flight finishes"]
     page = detail(operator, call)
@@ -261,7 +261,7 @@ def test_policy_list_shows_live_usage(operator, make_call):
     now = db_now()
     log_starts("api", [now - timedelta(seconds=s) for s in (50, 20, 10)])
     log_starts("tenant:9", [now - timedelta(seconds=5)])
-    KeyState.objects.update_or_create(key="api", defaults={"running": 1})
+    make_call(status="running")
     make_call(created_at=now - timedelta(minutes=3))
     make_call(keys=["tenant:9"])
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
@@ -278,7 +278,8 @@ def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operato
     now = db_now()
     log_starts("api", [now - timedelta(minutes=m) for m in (30, 20, 10)] + [now - timedelta(seconds=s) for s in (40, 5)])
     # Two calls dispatched, not started: their units are promised and count as used.
-    KeyState.objects.update_or_create(key="api", defaults={"reserved": 2, "reserved_units": 2, "running": 1})
+    KeyState.objects.update_or_create(key="api", defaults={"reserved": 2, "reserved_units": 2})
+    make_call(status="running")
     for _ in range(3):
         make_call()
     page = operator.get(LIMITS).content.decode()

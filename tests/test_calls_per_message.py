@@ -1,4 +1,4 @@
-"""DISPATCHER_CALLS_PER_MESSAGE: several calls in one Celery message, run one after another."""
+"""DISPATCHER_CALLS_PER_MESSAGE: several calls in one Celery message, started together and run at once."""
 from __future__ import annotations
 
 import re

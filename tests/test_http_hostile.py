@@ -358,10 +358,14 @@ def test_unreadable_http_settings_are_reported_by_the_system_check(name, value, 
 
 def test_what_remains_minus_the_calls_running_decides_whether_more_may_start():
     from dispatcher.clock import db_now
+    from dispatcher.keys import key_set
     from dispatcher.learning import report_rate_limit
 
-    KeyState.objects.create(key="busy", running=4)
-    KeyState.objects.create(key="calm", running=1)
+    for key, running in (("busy", 4), ("calm", 1)):
+        KeyState.objects.create(key=key)
+        CallQueue.objects.bulk_create(
+            CallQueue(method="http", keys=[key], key_set=key_set([key]), status="running") for _ in range(running)
+        )
     report_rate_limit(remaining=3, reset=20, key="busy")  # 3 remain, 3 others already running
     report_rate_limit(remaining=3, reset=20, key="calm")
     busy = KeyState.objects.get(key="busy")

@@ -56,6 +56,12 @@ def clock(monkeypatch, settings) -> Clock:
     monkeypatch.setattr(
         dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), fake()))
     )
+    # And the kept policies' statement reads the database's clock: read them afresh at each start.
+    monkeypatch.setattr(dispatcher.limiter, "_kept", {})
+    monkeypatch.setattr(
+        dispatcher.limiter, "policies_for_start",
+        lambda keys, states, using=None: (*dispatcher.limiter.Policies.load_with_clock(using), None),
+    )
     return fake
 
 
@@ -246,7 +252,8 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             for key, starts in self.starts.items():
                 truth[key][3] = sum(u for _, u, _ in starts)
             for state in KeyState.objects.exclude(key__endswith="*"):
-                counters = [state.reserved, state.running, state.reserved_units, state.total]
+                running = limiter.running_by_key([state.key]).get(state.key, 0)
+                counters = [state.reserved, running, state.reserved_units, state.total]
                 assert counters == truth.get(state.key, [0, 0, 0, 0]), state.key
 
         @invariant()

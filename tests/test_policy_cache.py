@@ -1,0 +1,75 @@
+"""A worker keeps the policies it read (PostgreSQL); every way of changing them binds its next start."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.db import connection
+
+from dispatcher import limiter
+from dispatcher.clock import db_now
+from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
+from tests.test_lifecycle import claim_all
+
+pytestmark = pytest.mark.django_db
+
+
+def _two_claimed(limit: int = 2) -> list:
+    """Two calls of key "api" claimed under a window of ``limit`` per minute."""
+    RateLimit.objects.set_policy("api", limit, timedelta(minutes=1))
+    calls = [CallQueue.objects.send("greet", {"name": "x"}, keys=["api"]) for _ in range(2)]
+    claimed = claim_all(calls[0].key_set, 2).calls
+    assert len(claimed) == 2
+    return claimed
+
+
+def _start(claimed) -> str:
+    return CallQueue.objects.start(claimed.id, claimed.dispatch_no).state
+
+
+EDITS = ["queryset update", "policy deleted, a tighter one added", "learnt limit", "pattern pause"]
+
+
+def _edit(name: str) -> None:
+    now = db_now()
+    {
+        # An edit that sends no signal and runs no manager code: only the database knows.
+        "queryset update": lambda: RateLimit.objects.filter(key="api").update(limit=1),
+        "policy deleted, a tighter one added": lambda: (
+            RateLimit.objects.filter(key="api").delete(), RateLimit.objects.set_policy("ap*", 1, timedelta(minutes=1))
+        ),
+        "learnt limit": lambda: LearntLimit.objects.create(
+            key="api", limit=1, period=timedelta(minutes=1), expires_at=now + timedelta(hours=1),
+            source="handler", observed_at=now,
+        ),
+        "pattern pause": lambda: KeyState.objects.create(key="ap*", paused_until=now + timedelta(hours=1)),
+    }[name]()
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_an_edit_made_after_a_worker_kept_the_policies_binds_its_next_start(edit):
+    first, second = _two_claimed()
+    assert _start(first) == "started"
+    if connection.vendor == "postgresql":
+        kept = limiter.kept_policies()
+        assert kept is not None and kept[1].for_key("api")[0].limit == 2
+    _edit(edit)
+    assert _start(second) == "deferred"
+
+
+def test_kept_policies_serve_the_next_start_without_reading_them():
+    first, second = _two_claimed()
+    assert _start(first) == "started"
+    kept = limiter.kept_policies()
+    assert _start(second) == "started"
+    # Nothing changed: the second start used the very policies the first one kept.
+    assert limiter.kept_policies() is kept
+    if connection.vendor == "postgresql":
+        assert kept is not None
+
+
+def test_a_changed_dispatcher_setting_drops_the_kept_policies(settings):
+    first, _ = _two_claimed()
+    assert _start(first) == "started"
+    settings.DISPATCHER_ARRIVAL_GUARD = "50ms"
+    assert limiter.kept_policies() is None
