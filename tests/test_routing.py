@@ -12,7 +12,7 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from dispatcher import limiter
-from dispatcher.models import CallQueue, KeyState, RateLimit
+from dispatcher.models import CallQueue, RateLimit
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "other"])
 
