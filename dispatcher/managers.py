@@ -302,14 +302,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     Where PostgreSQL takes a statement of its own (``dispatcher.sql``), the operation has two
     methods side by side, ``_x_postgresql`` and ``_x_portable`` (the ORM's, for every database),
-    and ``_x`` chooses; tests/test_paths.py runs both on PostgreSQL and compares the rows they leave.
+    and ``_x`` chooses (``sql.postgresql_path``); tests/test_paths.py runs both on PostgreSQL and
+    compares the rows they leave.
     """
 
-    # True: take the portable path on PostgreSQL too (the test that compares both paths sets it).
-    portable_only = False
-
     def _on_postgresql(self) -> bool:
-        return connections[self.db].vendor == "postgresql" and not self.portable_only
+        return sql.postgresql_path(self.db)
 
     def _attempts(self) -> models.QuerySet[Attempt]:
         """The attempts, on this manager's database."""
