@@ -89,7 +89,7 @@ class Policies:
     def load(cls, using: str | None = None) -> Policies:
         """Read every policy and every pattern pause from the database, in one query."""
         db = alias(using)
-        if connections[db].vendor == "postgresql":
+        if sql.postgresql_path(db):
             # Runs at every start: the query is compiled once per process and alias (it has no
             # arguments), and PostgreSQL's rows need no conversion.
             policies_sql, params = _policies_sql(db)
@@ -104,7 +104,7 @@ class Policies:
     def load_with_clock(cls, using: str | None = None) -> tuple[Policies, datetime]:
         """Read the policies and the database's clock (``db_now``) in one round trip."""
         db = alias(using)
-        if connections[db].vendor != "postgresql":
+        if not sql.postgresql_path(db):
             return cls.load(db), db_now(db)
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
@@ -327,7 +327,7 @@ def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, KeySta
 
 
 def _select_for_update(ordered: list[str], db: str) -> dict[str, KeyState]:
-    if connections[db].vendor != "postgresql":
+    if not sql.postgresql_path(db):
         return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.

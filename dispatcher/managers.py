@@ -306,14 +306,16 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     Where PostgreSQL takes a statement of its own (``dispatcher.sql``), the operation has two
     methods side by side, ``_x_postgresql`` and ``_x_portable`` (the ORM's, for every database),
-    and ``_x`` chooses; tests/test_paths.py runs both on PostgreSQL and compares the rows they leave.
+    and ``_x`` chooses (``sql.postgresql_path``); tests/test_paths.py runs both on PostgreSQL and
+    compares the rows they leave.
     """
 
-    # True: take the portable path on PostgreSQL too (the test that compares both paths sets it).
-    portable_only = False
-
     def _on_postgresql(self) -> bool:
-        return connections[self.db].vendor == "postgresql" and not self.portable_only
+        return sql.postgresql_path(self.db)
+
+    def _attempts(self) -> models.QuerySet[Attempt]:
+        """The attempts, on this manager's database."""
+        return tables.Attempt.objects.using(self.db)
 
     # --- enqueue -------------------------------------------------------------------------
 
@@ -775,7 +777,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         if not won:
             return None
         call = self.get(id=call_id)
-        attempt = tables.Attempt.objects.using(self.db).create(
+        attempt = self._attempts().create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
         limiter.record_starts(now, record, call_id, using=self.db)
@@ -840,7 +842,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             changes, wake = self._finish_changes(changes, now, keys, wake)
             won = bool(self.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**changes))
             if won:
-                tables.Attempt.objects.using(self.db).filter(id=attempt_id).update(
+                self._attempts().filter(id=attempt_id).update(
                     finished_at=now, outcome=outcome, error=error
                 )
                 if wake:
@@ -936,7 +938,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             if not won:
                 log.warning("finish_lost call=%s attempt=%s outcome=rate_limited", call.id, attempt.number)
                 return False
-            tables.Attempt.objects.using(self.db).filter(id=attempt.id).update(finished_at=now, outcome=Outcome.RATE_LIMITED, error=error[:MAX_ERROR_CHARS])
+            self._attempts().filter(id=attempt.id).update(
+                finished_at=now, outcome=Outcome.RATE_LIMITED, error=error[:MAX_ERROR_CHARS]
+            )
             limiter.pause(paused, until, reason=f"429 from call #{call.id}", using=self.db)
         return True
 
@@ -958,23 +962,25 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             limiter.lock_keys(keys, using=self.db)
             policies = limiter.Policies.load(self.db)
             now = db_now(self.db)
+            starts = tables.KeyStart.objects.using(self.db)
+            buckets = tables.KeyBucket.objects.using(self.db)
             for key, delta in deltas.items():
-                start = tables.KeyStart.objects.using(self.db).filter(key=key, started_at=call.started_at, call_id=call.id).first()
+                start = starts.filter(key=key, started_at=call.started_at, call_id=call.id).first()
                 if start is not None:
-                    tables.KeyStart.objects.using(self.db).filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
-                    tables.KeyStart.objects.using(self.db).filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
+                    starts.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                    starts.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
                 tables.KeyState.objects.using(self.db).filter(key=key).update(total=F("total") + delta)
                 for policy in policies.for_key(key):
                     if not isinstance(policy, limiter.TokenBucket):
                         continue
-                    bucket = tables.KeyBucket.objects.using(self.db).filter(key=key, period=policy.period).first()
+                    bucket = buckets.filter(key=key, period=policy.period).first()
                     if bucket is None or bucket.since > call.started_at:
                         # This bucket (new, or a new shape) never charged the start: nothing to
                         # give back, and an extra charge would count a start it did not see.
                         continue
                     tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
                     if tat is not None:
-                        tables.KeyBucket.objects.using(self.db).filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+                        buckets.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
                 limiter.wake_dispensers(using=self.db)
         return deltas
@@ -1038,7 +1044,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             elif call.status == Status.RUNNING and call.started_at and call.started_at < run_cutoff:
                 # Started but never finished: the worker died; the attempt counts.
                 error = f"lost: no result within DISPATCHER_RUN_TIMEOUT ({dispatcher_settings.RUN_TIMEOUT})"
-                tables.Attempt.objects.using(self.db).filter(call_id=call_id, outcome=Outcome.RUNNING).update(
+                self._attempts().filter(call_id=call_id, outcome=Outcome.RUNNING).update(
                     outcome=Outcome.LOST, finished_at=now, error=error
                 )
                 if call.attempts >= call.max_attempts:
@@ -1100,7 +1106,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 if not ids:
                     break
                 last_id = ids[-1]
-                tables.Attempt.objects.using(self.db).filter(call_id__in=ids)._raw_delete(self.db)
+                self._attempts().filter(call_id__in=ids)._raw_delete(self.db)
                 deleted += self.filter(id__in=ids).finished().filter(finished_at__lt=cutoff)._raw_delete(self.db)
             if progress is not None:
                 progress(deleted, total)

@@ -20,6 +20,7 @@ import functools
 from collections.abc import Mapping
 
 from django.apps import apps
+from django.db import connections
 from django.db.models import Field
 from django.db.models.options import Options
 
@@ -30,6 +31,16 @@ CLOCK = "clock_timestamp()"
 READ_CLOCK = f"SELECT {CLOCK}"
 # A NOTIFY on a channel, delivered when the transaction commits.
 NOTIFY = "SELECT pg_notify(%s, '')"
+
+
+# True: every operation takes its portable ORM path on PostgreSQL too (tests/test_paths.py sets
+# it to compare the two paths' rows).
+portable_only = False
+
+
+def postgresql_path(alias: str) -> bool:
+    """Whether an operation on the database ``alias`` takes its PostgreSQL statement, not the ORM's path."""
+    return connections[alias].vendor == "postgresql" and not portable_only
 
 
 def _meta(model: str) -> Options:

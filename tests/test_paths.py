@@ -1,9 +1,10 @@
 """PostgreSQL's statements and the portable ORM path leave the same rows.
 
 Where PostgreSQL takes a statement of its own (send, send_many, the claim, the start, the
-finish: ``CallQueueManager._x_postgresql`` beside ``_x_portable``), the SQLite pass of the
-suite runs only the portable path. Here one scenario runs on PostgreSQL twice, once as it
-ships and once with ``portable_only`` forcing the ORM path, on the same clock, and the calls,
+finish: ``CallQueueManager._x_postgresql`` beside ``_x_portable``; the limiter's key locks and
+policy loading), the SQLite pass of the suite runs only the portable path. Here one scenario
+runs on PostgreSQL twice, once as it ships and once with ``sql.portable_only`` forcing the
+ORM path, on the same clock, and the calls,
 attempts, start log, key counters and bucket state it leaves must be the same.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 import dispatcher.limiter
 import dispatcher.managers
+import dispatcher.sql
 from dispatcher import limiter
 from dispatcher.managers import CallQueueManager
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
@@ -98,7 +100,7 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
     postgresql_said = _scenario()
     postgresql_rows = _rows()
     _forget()
-    monkeypatch.setattr(CallQueueManager, "portable_only", True)
+    monkeypatch.setattr(dispatcher.sql, "portable_only", True)
     portable_said = _scenario()
     portable_rows = _rows()
 
@@ -113,11 +115,13 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
 
 
 def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
-    monkeypatch.setattr(CallQueueManager, "portable_only", True)
+    monkeypatch.setattr(dispatcher.sql, "portable_only", True)
     taken = []
     for name in ("_claim_rows_postgresql", "_mark_running_postgresql", "_finish_postgresql"):
         monkeypatch.setattr(CallQueueManager, name, lambda *a, name=name, **k: taken.append(name))
     for name in ("insert_one", "insert_many"):
         monkeypatch.setattr(dispatcher.managers, name, lambda *a, name=name, **k: taken.append(name))
+    monkeypatch.setattr(dispatcher.limiter, "_policies_sql", lambda *a: taken.append("_policies_sql"))
+    monkeypatch.setattr(dispatcher.sql, "lock_key_states", lambda: taken.append("lock_key_states"))
     _scenario()
     assert taken == []
