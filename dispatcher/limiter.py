@@ -249,7 +249,7 @@ def policies_for_start(
     """
     db = alias(using)
     kept = _kept.get(db)
-    if kept is None or connections[db].vendor != "postgresql":
+    if kept is None or not sql.postgresql_path(db):
         policies, now = Policies.load_with_clock(db)
         return policies, now, None
     version, policies = kept

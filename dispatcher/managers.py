@@ -639,7 +639,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         each is started on its own. SQLite starts them one by one.
         """
         worker = worker[:200]
-        if connections[self.db].vendor != "postgresql" or len(deliveries) < 2:
+        if not sql.postgresql_path(self.db) or len(deliveries) < 2:
             return [
                 self.start(call_id, dispatch_no, worker, may_wait=may_wait) for call_id, dispatch_no in deliveries
             ]
@@ -879,7 +879,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         not won (and logged), as there.
         """
         db = connections[self.db]
-        if db.vendor != "postgresql" or len(done) < 2:
+        if not sql.postgresql_path(self.db) or len(done) < 2:
             return sum(self.finish_done(call, attempt, result, wake=wake) for call, attempt, result, wake in done)
         result_field = self.model._meta.get_field("result")
         params: dict[str, Any] = {
