@@ -654,26 +654,39 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
         fields = self.model._meta.concrete_fields
         columns = ", ".join(f"started.{connections[self.db].ops.quote_name(f.column)}" for f in fields)
+        # The start is recorded at the statement's own clock (clock_timestamp(), read once in a
+        # CTE PostgreSQL materialises; never earlier than ``now``), not at the clock the admission
+        # was judged on: the recorded start is then as close to the handler's request as the
+        # transaction allows.
+        # Safe because the key locks are held from the judgement to the commit: a window judged
+        # to have room at the earlier time still has it later (its old starts only age out), and a
+        # bucket's charge is carried to the later time (GREATEST below; the same max as
+        # TokenBucket.charge).
         sql = f"""
-            WITH started AS (
+            WITH clock AS (
+                SELECT GREATEST(%(now)s::timestamptz, clock_timestamp()) AS now
+            ), started AS (
                 UPDATE {self.model._meta.db_table}
-                SET status = %(running)s, started_at = %(now)s, attempts = attempts + 1
+                SET status = %(running)s, started_at = (SELECT now FROM clock), attempts = attempts + 1
                 WHERE id = %(id)s AND status = %(dispatched)s AND dispatch_no = %(dispatch_no)s
                 RETURNING *
             ), attempt AS (
                 INSERT INTO {Attempt._meta.db_table} (call_id, number, started_at, outcome, error, worker)
-                SELECT id, attempts + deferrals, %(now)s, %(running)s, '', %(worker)s FROM started
+                SELECT id, attempts + deferrals, clock.now, %(running)s, '', %(worker)s FROM started, clock
                 RETURNING id, number
             ), start_log AS (
                 INSERT INTO {KeyStart._meta.db_table} (key, started_at, units, cum, call_id)
-                SELECT log.key, %(now)s, log.units, log.cum, started.id
-                FROM started, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[])
+                SELECT log.key, clock.now, log.units, log.cum, started.id
+                FROM started, clock, unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[])
                     AS log(key, units, cum)
             ), buckets AS (
                 INSERT INTO {KeyBucket._meta.db_table} (key, period, tat_us, since)
-                SELECT b.key, b.period, b.tat_us, %(now)s
-                FROM started, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
-                    AS b(key, period, tat_us)
+                SELECT b.key, b.period,
+                    GREATEST(b.tat_us, floor(EXTRACT(EPOCH FROM clock.now) * 1000000)::bigint + b.charged_us),
+                    clock.now
+                FROM started, clock, unnest(
+                    %(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[], %(b_charged)s::bigint[]
+                ) AS b(key, period, tat_us, charged_us)
                 ON CONFLICT (key, period) DO UPDATE SET tat_us = EXCLUDED.tat_us
             ), counters AS (
                 UPDATE {KeyState._meta.db_table} AS state
@@ -682,7 +695,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 FROM unnest(%(log_keys)s::text[], %(log_units)s::int[], %(log_cums)s::bigint[]) AS log(key, units, cum)
                 WHERE state.key = log.key AND EXISTS (SELECT 1 FROM started)
             )
-            SELECT attempt.id, attempt.number, {columns} FROM started, attempt
+            SELECT attempt.id, attempt.number, clock.now, {columns} FROM started, attempt, clock
         """
         params = {
             "running": RUNNING, "dispatched": DISPATCHED, "now": now, "id": call_id,
@@ -691,14 +704,16 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "log_cums": [c for _, _, c in record.log],
             "b_keys": [k for k, _, _ in record.buckets], "b_periods": [p for _, p, _ in record.buckets],
             "b_tats": [t for _, _, t in record.buckets],
+            # What each start charged its bucket beyond max(tat, now), to carry to the later clock.
+            "b_charged": record.charged,
         }
         with connections[self.db].cursor() as cursor:
             cursor.execute(sql, params)
             row = cursor.fetchone()
         if row is None:
             return None
-        call = _call_from_row(self.model, self.db, row[2:])
-        attempt = Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+        call = _call_from_row(self.model, self.db, row[3:])
+        attempt = Attempt(id=row[0], call=call, number=row[1], started_at=row[2], worker=worker)
         attempt._state.adding, attempt._state.db = False, self.db
         return call, attempt
 
