@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from dispatcher.ratelimit_headers import Signal, signal
 
@@ -31,15 +31,21 @@ REFRESH = 30.0
 MAX_REMEMBERED = 10_000
 
 current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
+# When the running call's attempt was recorded as started (the start log's time for it).
+current_start: ContextVar[datetime | None] = ContextVar("dispatcher_current_start", default=None)
+# Learnt limits inferred from Retry-After kept per key (the most recent ones).
+MAX_INFERRED = 4
 
 
 @contextmanager
-def running_call(keys: Sequence[str]) -> Iterator[None]:
-    """Name the keys of the call a handler is running, for the signals it reports."""
+def running_call(keys: Sequence[str], started_at: datetime | None = None) -> Iterator[None]:
+    """Name the keys (and the recorded start) of the call a handler is running, for the signals it reports."""
     token = current_keys.set(tuple(keys))
+    start_token = current_start.set(started_at)
     try:
         yield
     finally:
+        current_start.reset(start_token)
         current_keys.reset(token)
 
 
@@ -143,6 +149,84 @@ def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signa
         key=key, period=period,
         defaults={"limit": limit, "expires_at": expires, "source": found.source[:40], "signal": found.text[:200], "observed_at": now},
     )
+
+
+def infer_from_retry_after(retry_after: float | None, text: str = "", keys: Sequence[str] | None = None) -> None:
+    """Learn a limit from a 429 that says nothing but ``Retry-After``.
+
+    The API admitted the key's calls that started since its last refusal and refused this one
+    until the reset: it allows (at most) that many calls from the first of them to the reset.
+    That becomes a learnt window (source ``retry-after``), with the same margin, bounds and
+    expiry as an announced one, so an API that never states its limit costs 429s in its first
+    window only, not one per window. A failure here never fails the call.
+    """
+    keys = tuple(keys) if keys else current_keys.get()
+    started = current_start.get()
+    wait = cap_pause(retry_after)
+    if not keys or started is None or not wait:
+        return
+    try:
+        _infer(keys, started, wait, text)
+    except Exception:  # the call's own outcome matters more than the lesson
+        log.exception("learn_failed keys=%s retry_after=%r", ",".join(keys), retry_after)
+
+
+def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> None:
+    from django.db import transaction
+    from django.db.models import Max
+
+    from dispatcher import limiter
+    from dispatcher.clock import db_now
+    from dispatcher.conf import dispatcher_settings
+    from dispatcher.models import Attempt, KeyStart, LearntLimit
+
+    longest = min(dispatcher_settings.MAX_PAUSE, timedelta(hours=1))
+    with transaction.atomic():
+        # One lesson at a time per key: the calls refused in flight with this one wait for it,
+        # then see it and learn nothing more from the same starts.
+        limiter.lock_keys(sorted(set(keys)))
+        now = db_now()
+        reset = now + timedelta(seconds=wait)
+        for key in keys:
+            # Starts before the last lesson drawn from a Retry-After belong to a window already
+            # learnt (other calls of the same burst refused in flight teach nothing new).
+            since = started - longest
+            last = LearntLimit.objects.filter(key=key, source="retry-after").aggregate(at=Max("observed_at"))["at"]
+            if last is not None and last > since:
+                since = last
+            starts = list(
+                KeyStart.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
+                .order_by("started_at", "cum").values_list("started_at", "call_id")
+            )
+            refused = set(
+                Attempt.objects.filter(
+                    call_id__in={call_id for _, call_id in starts}, started_at__gte=since, started_at__lt=started,
+                    outcome="rate_limited",
+                ).values_list("call_id", "started_at")
+            )
+            # Only the calls the API admitted since it last refused one of them.
+            admitted: list[datetime] = []
+            for at, call_id in starts:
+                if (call_id, at) in refused:
+                    admitted = []
+                else:
+                    admitted.append(at)
+            if not admitted or reset <= admitted[0]:
+                continue
+            span = (reset - admitted[0]).total_seconds()
+            period = min(timedelta(seconds=span * (1 + MARGIN)) + MARGIN_MIN, longest)
+            LearntLimit.objects.filter(key=key, expires_at__lte=now).delete()
+            LearntLimit.objects.update_or_create(
+                key=key, period=period,
+                defaults={
+                    "limit": len(admitted), "expires_at": now + dispatcher_settings.LEARNT_LIMIT_TTL,
+                    "source": "retry-after", "observed_at": now,
+                    "signal": f"{text or f'Retry-After {wait:g}s'}; {len(admitted)} admitted in {span:.3g}s"[:200],
+                },
+            )
+            stale = LearntLimit.objects.filter(key=key, source="retry-after").order_by("-observed_at")[MAX_INFERRED:]
+            LearntLimit.objects.filter(pk__in=list(stale.values_list("pk", flat=True))).delete()
+            log.info("learnt_from_retry_after keys=%s limit=%s period=%s", key, len(admitted), period)
 
 
 def report_rate_limit(

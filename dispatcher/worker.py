@@ -97,7 +97,7 @@ def _run(call: Any, attempt: Any, capped: bool) -> str:
 
     try:
         fn = get_handler(call.method).fn
-        with running_call(call.keys):  # the keys an API's rate-limit signals apply to
+        with running_call(call.keys, attempt.started_at):  # what an API's rate-limit signals apply to
             result = fn(**call.params)
     except RateLimited as exc:
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
