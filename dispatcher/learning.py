@@ -94,8 +94,9 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     fresh = time.monotonic()
     windows = [(limit, period) for limit, period in windows
                if any(fresh - _stored.get((key, limit, period), -REFRESH) >= REFRESH for key in keys)]
-    spent = _spent_by_running(found, keys)
-    if not wait and not windows and not spent:
+    budgets = _budgets(found, keys) if wait is None else {}
+    spent = [key for key, allowed in budgets.items() if allowed <= 0]
+    if not wait and not windows and not budgets:
         return
     with transaction.atomic():
         now = db_now()
@@ -107,8 +108,11 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
             until = now + timedelta(seconds=cap_pause(found.reset) or 0)
             limiter.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
-        if windows:
+        if windows or budgets:
             LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
+        for key, allowed in budgets.items():
+            if allowed > 0:
+                _budget(LearntLimit, key, allowed, timedelta(seconds=found.reset or 0), longest, found, now)
         for limit, period in windows:
             for key in keys:
                 _learn(LearntLimit, key, limit, period, expires, found, now)
@@ -121,15 +125,81 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
 
 
-def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
-    """Return the keys whose other running calls already use up what the API says remains."""
+def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
+    """Return, per key, how many more calls may start before the reset: r less the others in flight.
+
+    The call being answered is one of the running ones, and the API counted it already; the
+    other running calls will arrive and spend what remains. 0 or less: nothing more may start.
+    """
     if not found.remaining or not found.reset or found.wait() is not None:
-        return []
+        return {}
+    from django.db.models import Max
+
+    from dispatcher.clock import db_now
     from dispatcher.models import KeyState
 
-    # The call being answered is one of the running ones, and the API counted it already.
-    running = KeyState.objects.filter(key__in=keys).values_list("key", "running")
-    return [key for key, n in running if n - 1 >= found.remaining]
+    running = dict(KeyState.objects.filter(key__in=keys).values_list("key", "running"))
+    budgets = {key: found.remaining - max(running.get(key, 0) - 1, 0) for key in keys}
+    if found.windows and all(n > 0 for n in budgets.values()):
+        # When the API has counted no more calls in its window than the key started in it, the
+        # learnt window already caps what starts before the reset (the starts in flight are in
+        # our log, not yet in the API's count): no budget is needed, and none is written.
+        # Our window: the API's, or the longest learnt for its limit (X-RateLimit's reset is only
+        # the time left in the API's window).
+        from dispatcher.models import KeyStart, LearntLimit
+
+        window = found.windows[0]
+        now = db_now()
+        learnt = dict(
+            LearntLimit.objects.filter(key__in=keys, limit=window.limit, expires_at__gt=now).values("key")
+            .annotate(p=Max("period")).values_list("key", "p")
+        )
+        used = window.limit - found.remaining
+        for key in list(budgets):
+            span = max(timedelta(seconds=window.seconds), learnt.get(key) or timedelta(0))
+            if KeyStart.objects.filter(key=key, started_at__gt=now - span).count() >= used:
+                del budgets[key]
+    return budgets
+
+
+def _budget(model, key: str, allowed: int, until: timedelta, longest: timedelta, found: Signal, now) -> None:
+    """Cap the key's starts before the reset at ``allowed``: one budget row per key, the latest answer's.
+
+    A learnt window expiring at the reset T, reaching back to the earliest start of the key's
+    running calls (s), admitting ``allowed`` more starts than the log holds since s: at any t
+    before T the window (t - (T - s), t] holds every start since s, so at most ``allowed`` new
+    ones fit (older starts still in it only make it tighter).
+    """
+    from django.db.models import Sum
+
+    from dispatcher.models import CallQueue, KeyStart
+
+    if until <= timedelta(0):
+        return
+    source = f"{found.source or 'handler'}:remaining"[:40]
+    model.objects.filter(key=key, source=source).delete()
+    running = CallQueue.objects.filter(status=CallQueue.Status.RUNNING).values("id")
+    first = (
+        KeyStart.objects.filter(key=key, call_id__in=running, started_at__lte=now)
+        .order_by("started_at").values_list("started_at", flat=True).first()
+    ) or now
+    # In units, as the window counts them (a call of cost c takes c of the ``allowed``).
+    since = KeyStart.objects.filter(key=key, started_at__gte=first, started_at__lte=now).aggregate(
+        units=Sum("units"))["units"] or 0
+    period = until + (now - first)
+    if period > longest:
+        return  # not representable by a window the start log keeps; the learnt window paces
+    # (key, period) is unique: a budget never replaces a learnt window of the very same period.
+    for _ in range(100):
+        if not model.objects.filter(key=key, period=period).exists():
+            break
+        period += timedelta(microseconds=1)
+    else:
+        return
+    model.objects.create(
+        key=key, limit=allowed + since, period=period, expires_at=now + until, source=source,
+        signal=f"{found.text}; {allowed} may start before the reset"[:200], observed_at=now,
+    )
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:
@@ -173,7 +243,6 @@ def infer_from_retry_after(retry_after: float | None, text: str = "", keys: Sequ
 
 def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> None:
     from django.db import transaction
-    from django.db.models import Max
 
     from dispatcher import limiter
     from dispatcher.clock import db_now
@@ -187,13 +256,21 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
         limiter.lock_keys(sorted(set(keys)))
         now = db_now()
         reset = now + timedelta(seconds=wait)
+        ttl = dispatcher_settings.LEARNT_LIMIT_TTL
         for key in keys:
-            # Starts before the last lesson drawn from a Retry-After belong to a window already
-            # learnt (other calls of the same burst refused in flight teach nothing new).
             since = started - longest
-            last = LearntLimit.objects.filter(key=key, source="retry-after").aggregate(at=Max("observed_at"))["at"]
-            if last is not None and last > since:
-                since = last
+            # The last lesson drawn from a Retry-After: its observed_at is the start of the call
+            # whose refusal taught it, its expiry less the TTL when it was drawn.
+            last = LearntLimit.objects.filter(key=key, source="retry-after").order_by("-observed_at").first()
+            if last is not None and started < last.expires_at - ttl:
+                # Refused in flight, started before that lesson was drawn: nothing new to learn.
+                # Started before the call that taught it too, it was counted as admitted there.
+                if started < last.observed_at and last.limit > 1 and started >= last.observed_at - last.period:
+                    LearntLimit.objects.filter(pk=last.pk).update(limit=last.limit - 1)
+                    log.info("learnt_from_retry_after keys=%s limit=%s (one counted was refused)", key, last.limit - 1)
+                continue
+            if last is not None and last.expires_at - ttl > since:
+                since = last.expires_at - ttl
             starts = list(
                 KeyStart.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
                 .order_by("started_at", "cum").values_list("started_at", "call_id")
@@ -220,7 +297,7 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
                 key=key, period=period,
                 defaults={
                     "limit": len(admitted), "expires_at": now + dispatcher_settings.LEARNT_LIMIT_TTL,
-                    "source": "retry-after", "observed_at": now,
+                    "source": "retry-after", "observed_at": started,
                     "signal": f"{text or f'Retry-After {wait:g}s'}; {len(admitted)} admitted in {span:.3g}s"[:200],
                 },
             )

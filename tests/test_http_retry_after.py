@@ -59,13 +59,18 @@ def test_the_others_refused_in_the_same_window_teach_nothing_more(api):
     assert run_next(4) == ["done", "done", "done", "rate_limited"]
     (first,) = LearntLimit.objects.filter(key="partner").values_list("pk", "limit", "period", "observed_at")
     refused = Attempt.objects.get(outcome="rate_limited")
-    # Another call refused in flight: it started with the refused one, before the lesson.
-    with running_call(["partner"], refused.started_at):
+    assert first[3] == refused.started_at  # the start of the call whose refusal taught it
+    # Another call refused in flight: it started after the teacher, before the lesson was drawn.
+    with running_call(["partner"], refused.started_at + timedelta(microseconds=1)):
         infer_from_retry_after(30.0)
     # And one that started later, with no call admitted since the lesson.
     with running_call(["partner"], db_now()):
         infer_from_retry_after(30.0)
     assert list(LearntLimit.objects.filter(key="partner").values_list("pk", "limit", "period", "observed_at")) == [first]
+    # One refused in flight that started before the teacher was counted as admitted: taken back.
+    with running_call(["partner"], refused.started_at - timedelta(milliseconds=1)):
+        infer_from_retry_after(30.0)
+    assert LearntLimit.objects.get(pk=first[0]).limit == first[1] - 1
 
 
 def test_a_hostile_retry_after_learns_at_most_an_hour_window(settings):
@@ -78,3 +83,48 @@ def test_a_hostile_retry_after_learns_at_most_an_hour_window(settings):
         api.stop()
     (learnt,) = LearntLimit.objects.filter(key="partner")
     assert learnt.limit == 1 and learnt.period <= timedelta(hours=1)
+
+
+# --- "r remain": at most r, less the calls in flight, start before the reset ----------------------
+
+
+def test_r_remaining_caps_the_starts_before_the_reset_at_r_less_the_calls_in_flight():
+    """Others use the API's quota too (our log does not see them); two calls of ours are in flight
+    (started, their requests not yet arrived) when a third is answered "3 remain"."""
+    import httpx
+
+    api = FakeAPI(enforce=(10, 60.0), announce="x-seconds").start()
+    try:
+        for _ in range(4):  # another client of the same account
+            assert httpx.get(f"{api.url}/ok").status_code == 200
+        RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=60))  # far too loose
+        send(api, 10)
+        key_set = CallQueue.objects.first().key_set
+        first, second, answered = CallQueue.objects.claim(key_set, 3, Policies.load()).calls
+        for call in (first, second):  # in flight: started, not yet arrived
+            assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
+        assert execute(answered.id, answered.dispatch_no) == "done"
+        # The API counted 4 + 1 of 10 over the window: 5 remain; 2 of ours are still on their way.
+        budget = LearntLimit.objects.get(key="partner", source="x-ratelimit:remaining")
+        assert "5 remaining" in budget.signal and "3 may start before the reset" in budget.signal
+        # Every window the limiter reads admits three more starts, then none before the reset.
+        assert len(CallQueue.objects.claim(key_set, 10, Policies.load()).calls) == 3
+        assert CallQueue.objects.claim(key_set, 10, Policies.load()).calls == []
+    finally:
+        api.stop()
+
+
+def test_r_remaining_with_nothing_in_flight_caps_at_r():
+    import httpx
+
+    api = FakeAPI(enforce=(10, 60.0), announce="x-seconds").start()
+    try:
+        for _ in range(6):
+            assert httpx.get(f"{api.url}/ok").status_code == 200
+        RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=60))
+        send(api, 10)
+        assert run_next(1) == ["done"]  # 3 remain
+        key_set = CallQueue.objects.filter(status="pending").first().key_set
+        assert len(CallQueue.objects.claim(key_set, 10, Policies.load()).calls) == 3
+    finally:
+        api.stop()
