@@ -610,7 +610,13 @@ def _http_env() -> dict[str, str]:
 
 
 def http_latency(ctx: Context) -> list[Figure]:
-    """Calls to a local API sent one by one: recorded start -> arrival, and send -> arrival."""
+    """Calls to a local API sent one by one: recorded start -> arrival, and send -> arrival.
+
+    Every other call goes to ``bench.http_timed`` (the same ``http`` handler function, wrapped to
+    note when its task began and when the handler was entered), for where the time goes:
+    send returned (its commit), claimed by the dispenser (dispatched_at), received by the worker
+    process, recorded start, handler entered (the start's commit returned), arrival at the API.
+    """
     from dispatcher.models import Attempt, CallQueue, RateLimit
     from support.fakeapi import FakeAPI
 
@@ -619,37 +625,64 @@ def http_latency(ctx: Context) -> list[Figure]:
     api = FakeAPI().start()
     procs = ctx.processes(**_http_env())
     sent: dict[str, float] = {}
+    committed: dict[str, float] = {}
     ids: dict[str, int] = {}
     try:
         procs.dispenser()
         procs.worker(ctx.queue, concurrency=2)
 
-        def http_call(tag: str) -> int:
+        def http_call(tag: str, method: str = "http") -> int:
             params = {"method": "GET", "url": f"{api.url}/ok", "headers": {"x-call": tag}}
-            return CallQueue.objects.send("http", params, keys=["lat"]).id
+            return CallQueue.objects.send(method, params, keys=["lat"]).id
 
         http_call("warm-up")
-        check(_wait_done(1, 60), "the warm-up call did not finish:\n" + procs.logs())
-        for n in range(ctx.sizes.latency_calls):
+        http_call("warm-up-timed", "bench.http_timed")
+        check(_wait_done(2, 60), "the warm-up calls did not finish:\n" + procs.logs())
+        for n in range(2 * ctx.sizes.latency_calls):
             tag = str(n)
             sent[tag] = time.time()
-            ids[tag] = http_call(tag)
+            ids[tag] = http_call(tag, "http" if n % 2 == 0 else "bench.http_timed")
+            committed[tag] = time.time()
             time.sleep(0.02)
-        total = ctx.sizes.latency_calls + 1
+        total = 2 * ctx.sizes.latency_calls + 2
         check(_wait_done(total, 60), f"{total - count_status('done')} calls never finished")
     finally:
         procs.stop_all()
         api.stop()
     starts = dict(Attempt.objects.filter(call_id__in=ids.values()).values_list("call_id", "started_at"))
+    rows = {
+        row[0]: row[1:] for row in CallQueue.objects.filter(id__in=ids.values()).values_list("id", "dispatched_at", "result")
+    }
     to_arrival, send_to_api, send_to_start = [], [], []
+    phases: dict[str, list[float]] = {
+        "send": [], "send_commit_to_claim": [], "claim_to_received": [], "received_to_start": [],
+        "start_to_handler": [], "handler_to_arrival": [], "timed_start_to_arrival": [],
+    }
     for arrival in api.arrivals:
-        if arrival.call in ids:
-            started = starts[ids[arrival.call]].timestamp()
+        if arrival.call not in ids:
+            continue
+        call_id = ids[arrival.call]
+        started = starts[call_id].timestamp()
+        if int(arrival.call) % 2 == 0:
             to_arrival.append((arrival.at - started) * 1000)
             send_to_api.append((arrival.at - sent[arrival.call]) * 1000)
             send_to_start.append((started - sent[arrival.call]) * 1000)
+            continue
+        # The dispenser claims the call after its pass begins; dispatched_at is the claim's clock.
+        dispatched_at, result = rows[call_id]
+        claimed = dispatched_at.timestamp()
+        phases["send"].append((committed[arrival.call] - sent[arrival.call]) * 1000)
+        phases["send_commit_to_claim"].append((claimed - committed[arrival.call]) * 1000)
+        if result.get("received") is not None:
+            phases["claim_to_received"].append((result["received"] - claimed) * 1000)
+            phases["received_to_start"].append((started - result["received"]) * 1000)
+        phases["start_to_handler"].append((result["entered"] - started) * 1000)
+        phases["handler_to_arrival"].append((arrival.at - result["entered"]) * 1000)
+        phases["timed_start_to_arrival"].append((arrival.at - started) * 1000)
     p50, p99 = percentile(to_arrival, 50), percentile(to_arrival, 99)
     api_p50 = percentile(send_to_api, 50)
+    breakdown = {name: round(percentile(values, 50), 2) for name, values in phases.items() if values}
+    shown = ", ".join(f"{name} {value:.1f}" for name, value in breakdown.items())
     return [
         Figure(
             f"http start -> arrival at a local API ({len(to_arrival)} calls)",
@@ -667,6 +700,14 @@ def http_latency(ctx: Context) -> list[Figure]:
             "a new client per call: p50 29 ms",
             api_p50 <= 20,
             {"p50_ms": api_p50, "p99_ms": percentile(send_to_api, 99), "send_to_start_p50_ms": percentile(send_to_start, 50)},
+        ),
+        Figure(
+            f"http phases, p50 in ms ({len(phases['send'])} timed calls)",
+            shown,
+            "",
+            "",
+            None,
+            {"p50_ms": breakdown, "p90_ms": {n: round(percentile(v, 90), 2) for n, v in phases.items() if v}},
         ),
     ]
 

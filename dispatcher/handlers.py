@@ -316,6 +316,9 @@ def http(**params: Any) -> dict[str, Any]:
         learning.apply(ratelimit_headers.Signal(
             remaining=signal.remaining, reset=signal.reset, windows=signal.windows, source=signal.source, text=signal.text,
         ))  # the pause itself is the RateLimited below, on the same keys
+        if signal.retry_after is not None and not signal.windows and signal.remaining is None:
+            # Nothing but Retry-After: the limit is inferred from the calls it admitted.
+            learning.infer_from_retry_after(signal.retry_after, signal.text)
         raise RateLimited(retry_after=learning.cap_pause(signal.wait()), message=f"HTTP 429: {body[:200]}")
     learning.apply(signal)
     if status >= 500:

@@ -15,14 +15,16 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import transaction
+from django.db.models import Max, Sum
 
 from dispatcher import limiter, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.ratelimit_headers import Signal, signal
+from dispatcher.states import AttemptOutcome, CallStatus
 
 log = logging.getLogger("dispatcher")
 
@@ -37,15 +39,21 @@ REFRESH = 30.0
 MAX_REMEMBERED = 10_000
 
 current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
+# When the running call's attempt was recorded as started (the start log's time for it).
+current_start: ContextVar[datetime | None] = ContextVar("dispatcher_current_start", default=None)
+# Learnt limits inferred from Retry-After kept per key (the most recent ones).
+MAX_INFERRED = 4
 
 
 @contextmanager
-def running_call(keys: Sequence[str]) -> Iterator[None]:
-    """Name the keys of the call a handler is running, for the signals it reports."""
+def running_call(keys: Sequence[str], started_at: datetime | None = None) -> Iterator[None]:
+    """Name the keys (and the recorded start) of the call a handler is running, for the signals it reports."""
     token = current_keys.set(tuple(keys))
+    start_token = current_start.set(started_at)
     try:
         yield
     finally:
+        current_start.reset(start_token)
         current_keys.reset(token)
 
 
@@ -83,8 +91,9 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     fresh = time.monotonic()
     windows = [(limit, period) for limit, period in windows
                if any(fresh - _stored.get((key, limit, period), -REFRESH) >= REFRESH for key in keys)]
-    spent = _spent_by_running(found, keys)
-    if not wait and not windows and not spent:
+    budgets = _budgets(found, keys) if wait is None else {}
+    spent = [key for key, allowed in budgets.items() if allowed <= 0]
+    if not wait and not windows and not budgets:
         return
     with transaction.atomic():
         now = db_now()
@@ -96,8 +105,11 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
             until = now + timedelta(seconds=cap_pause(found.reset) or 0)
             limiter.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
-        if windows:
+        if windows or budgets:
             tables.LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
+        for key, allowed in budgets.items():
+            if allowed > 0:
+                _budget(tables.LearntLimit, key, allowed, timedelta(seconds=found.reset or 0), longest, found, now)
         for limit, period in windows:
             for key in keys:
                 _learn(tables.LearntLimit, key, limit, period, expires, found, now)
@@ -110,12 +122,70 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
 
 
-def _spent_by_running(found: Signal, keys: tuple[str, ...]) -> list[str]:
-    """Return the keys whose other running calls already use up what the API says remains."""
+def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
+    """Return, per key, how many more calls may start before the reset: r less the others in flight.
+
+    The call being answered is one of the running ones, and the API counted it already; the
+    other running calls will arrive and spend what remains. 0 or less: nothing more may start.
+    """
     if not found.remaining or not found.reset or found.wait() is not None:
-        return []
-    # The call being answered is one of the running ones, and the API counted it already.
-    return [key for key, n in limiter.running_by_key(keys).items() if n - 1 >= found.remaining]
+        return {}
+    running = limiter.running_by_key(keys)
+    budgets = {key: found.remaining - max(running.get(key, 0) - 1, 0) for key in keys}
+    if found.windows and all(n > 0 for n in budgets.values()):
+        # When the API has counted no more calls in its window than the key started in it, the
+        # learnt window already caps what starts before the reset (the starts in flight are in
+        # our log, not yet in the API's count): no budget is needed, and none is written.
+        # Our window: the API's, or the longest learnt for its limit (X-RateLimit's reset is only
+        # the time left in the API's window).
+        window = found.windows[0]
+        now = db_now()
+        learnt = dict(
+            tables.LearntLimit.objects.filter(key__in=keys, limit=window.limit, expires_at__gt=now).values("key")
+            .annotate(p=Max("period")).values_list("key", "p")
+        )
+        used = window.limit - found.remaining
+        for key in list(budgets):
+            span = max(timedelta(seconds=window.seconds), learnt.get(key) or timedelta(0))
+            if tables.KeyStart.objects.filter(key=key, started_at__gt=now - span).count() >= used:
+                del budgets[key]
+    return budgets
+
+
+def _budget(model, key: str, allowed: int, until: timedelta, longest: timedelta, found: Signal, now) -> None:
+    """Cap the key's starts before the reset at ``allowed``: one budget row per key, the latest answer's.
+
+    A learnt window expiring at the reset T, reaching back to the earliest start of the key's
+    running calls (s), admitting ``allowed`` more starts than the log holds since s: at any t
+    before T the window (t - (T - s), t] holds every start since s, so at most ``allowed`` new
+    ones fit (older starts still in it only make it tighter).
+    """
+    if until <= timedelta(0):
+        return
+    source = f"{found.source or 'handler'}:remaining"[:40]
+    model.objects.filter(key=key, source=source).delete()
+    running = tables.CallQueue.objects.filter(status=CallStatus.RUNNING).values("id")
+    first = (
+        tables.KeyStart.objects.filter(key=key, call_id__in=running, started_at__lte=now)
+        .order_by("started_at").values_list("started_at", flat=True).first()
+    ) or now
+    # In units, as the window counts them (a call of cost c takes c of the ``allowed``).
+    since = tables.KeyStart.objects.filter(key=key, started_at__gte=first, started_at__lte=now).aggregate(
+        units=Sum("units"))["units"] or 0
+    period = until + (now - first)
+    if period > longest:
+        return  # not representable by a window the start log keeps; the learnt window paces
+    # (key, period) is unique: a budget never replaces a learnt window of the very same period.
+    for _ in range(100):
+        if not model.objects.filter(key=key, period=period).exists():
+            break
+        period += timedelta(microseconds=1)
+    else:
+        return
+    model.objects.create(
+        key=key, limit=allowed + since, period=period, expires_at=now + until, source=source,
+        signal=f"{found.text}; {allowed} may start before the reset"[:200], observed_at=now,
+    )
 
 
 def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:
@@ -135,6 +205,84 @@ def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signa
         key=key, period=period,
         defaults={"limit": limit, "expires_at": expires, "source": found.source[:40], "signal": found.text[:200], "observed_at": now},
     )
+
+
+def infer_from_retry_after(retry_after: float | None, text: str = "", keys: Sequence[str] | None = None) -> None:
+    """Learn a limit from a 429 that says nothing but ``Retry-After``.
+
+    The API admitted the key's calls that started since its last refusal and refused this one
+    until the reset: it allows (at most) that many calls from the first of them to the reset.
+    That becomes a learnt window (source ``retry-after``), with the same margin, bounds and
+    expiry as an announced one, so an API that never states its limit costs 429s in its first
+    window only, not one per window. A failure here never fails the call.
+    """
+    keys = tuple(keys) if keys else current_keys.get()
+    started = current_start.get()
+    wait = cap_pause(retry_after)
+    if not keys or started is None or not wait:
+        return
+    try:
+        _infer(keys, started, wait, text)
+    except Exception:  # the call's own outcome matters more than the lesson
+        log.exception("learn_failed keys=%s retry_after=%r", ",".join(keys), retry_after)
+
+
+def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> None:
+    longest = min(dispatcher_settings.MAX_PAUSE, timedelta(hours=1))
+    with transaction.atomic():
+        # One lesson at a time per key: the calls refused in flight with this one wait for it,
+        # then see it and learn nothing more from the same starts.
+        limiter.lock_keys(sorted(set(keys)))
+        now = db_now()
+        reset = now + timedelta(seconds=wait)
+        ttl = dispatcher_settings.LEARNT_LIMIT_TTL
+        for key in keys:
+            since = started - longest
+            # The last lesson drawn from a Retry-After: its observed_at is the start of the call
+            # whose refusal taught it, its expiry less the TTL when it was drawn.
+            last = tables.LearntLimit.objects.filter(key=key, source="retry-after").order_by("-observed_at").first()
+            if last is not None and started < last.expires_at - ttl:
+                # Refused in flight, started before that lesson was drawn: nothing new to learn.
+                # Started before the call that taught it too, it was counted as admitted there.
+                if started < last.observed_at and last.limit > 1 and started >= last.observed_at - last.period:
+                    tables.LearntLimit.objects.filter(pk=last.pk).update(limit=last.limit - 1)
+                    log.info("learnt_from_retry_after keys=%s limit=%s (one counted was refused)", key, last.limit - 1)
+                continue
+            if last is not None and last.expires_at - ttl > since:
+                since = last.expires_at - ttl
+            starts = list(
+                tables.KeyStart.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
+                .order_by("started_at", "cum").values_list("started_at", "call_id")
+            )
+            refused = set(
+                tables.Attempt.objects.filter(
+                    call_id__in={call_id for _, call_id in starts}, started_at__gte=since, started_at__lt=started,
+                    outcome=AttemptOutcome.RATE_LIMITED,
+                ).values_list("call_id", "started_at")
+            )
+            # Only the calls the API admitted since it last refused one of them.
+            admitted: list[datetime] = []
+            for at, call_id in starts:
+                if (call_id, at) in refused:
+                    admitted = []
+                else:
+                    admitted.append(at)
+            if not admitted or reset <= admitted[0]:
+                continue
+            span = (reset - admitted[0]).total_seconds()
+            period = min(timedelta(seconds=span * (1 + MARGIN)) + MARGIN_MIN, longest)
+            tables.LearntLimit.objects.filter(key=key, expires_at__lte=now).delete()
+            tables.LearntLimit.objects.update_or_create(
+                key=key, period=period,
+                defaults={
+                    "limit": len(admitted), "expires_at": now + dispatcher_settings.LEARNT_LIMIT_TTL,
+                    "source": "retry-after", "observed_at": started,
+                    "signal": f"{text or f'Retry-After {wait:g}s'}; {len(admitted)} admitted in {span:.3g}s"[:200],
+                },
+            )
+            stale = tables.LearntLimit.objects.filter(key=key, source="retry-after").order_by("-observed_at")[MAX_INFERRED:]
+            tables.LearntLimit.objects.filter(pk__in=list(stale.values_list("pk", flat=True))).delete()
+            log.info("learnt_from_retry_after keys=%s limit=%s period=%s", key, len(admitted), period)
 
 
 def report_rate_limit(

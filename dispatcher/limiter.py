@@ -567,6 +567,9 @@ class StartRecord:
 
     log: list[tuple[str, int, int]] = field(default_factory=list)
     buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
+    # Per bucket, the microseconds the start charged beyond max(tat, now): a start recorded at a
+    # later clock carries the same charge from there (sql.mark_running).
+    charged: list[int] = field(default_factory=list)
 
 
 def start_record(
@@ -586,6 +589,8 @@ def start_record(
             tat = policy.charge(reading, now, units)
             if tat is not None:
                 record.buckets.append((key, policy.period, to_us(tat)))
+                base = max(reading.tat, now) if reading.tat is not None else now
+                record.charged.append(to_us(tat) - to_us(base))
     return record
 
 

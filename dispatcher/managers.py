@@ -737,6 +737,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
             "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
             "b_tats": list(buckets.values()),
+            # Started at the judged clock itself: each bucket's last state needs no carrying.
+            "b_charged": [0 for _ in buckets],
             "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
             "c_totals": [group.states[key].total for key in moved],
         }
@@ -750,9 +752,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         return started
 
     def _started_from_row(self, row: Sequence[Any], now: datetime, worker: str) -> tuple[CallQueue, Attempt]:
-        """The call and attempt a start statement returned (the attempt's id and number, then the call)."""
+        """The call and attempt a start statement returned (the attempt's id and number, then the call).
+
+        The start's time is the call's ``started_at``: the statement's own clock, never before ``now``.
+        """
         call = _call_from_row(self.model, self.db, row[2:])
-        attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=now, worker=worker)
+        attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=call.started_at or now, worker=worker)
         attempt._state.adding, attempt._state.db = False, self.db
         return call, attempt
 
@@ -799,6 +804,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "log_cums": [c for _, _, c in record.log], "log_calls": [call_id for _ in record.log],
             "b_keys": [k for k, _, _ in record.buckets], "b_periods": [p for _, p, _ in record.buckets],
             "b_tats": [t for _, _, t in record.buckets],
+            # What each start charged its bucket beyond max(tat, now), to carry to the later clock.
+            "b_charged": record.charged,
         }
         with connections[self.db].cursor() as cursor:
             cursor.execute(sql.mark_running(), params)

@@ -371,33 +371,38 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
 
     ``source`` is the CTE of the started calls, ``call_id`` the expression of a log row's call,
     ``only_if`` a FROM item and condition that must hold for the log and the buckets to be written.
+    Everything is written at ``clock.now`` (a CTE of the statement), and a bucket's state is its
+    judged one carried to that clock: max(judged, clock + what the start charged beyond
+    max(tat, judged clock)), TokenBucket.charge's max.
     """
     c = functools.partial(column, "CallQueue")
     attempt_columns, attempt_values = _insert("Attempt", {
-        "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "%(now)s",
+        "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "clock.now",
         "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
     })
     log_columns, log_values = _insert("KeyStart", {
-        "key": "log.key", "started_at": "%(now)s", "units": "log.units", "cum": "log.cum", "call_id": call_id,
+        "key": "log.key", "started_at": "clock.now", "units": "log.units", "cum": "log.cum", "call_id": call_id,
     })
     bucket_columns, bucket_values = _insert("KeyBucket", {
-        "key": "b.key", "period": "b.period", "tat_us": "b.tat_us", "since": "%(now)s",
+        "key": "b.key", "period": "b.period",
+        "tat_us": f"GREATEST(b.tat_us, {_epoch_us('clock.now')} + b.charged_us)", "since": "clock.now",
     })
     gate, condition = only_if
     return f"""
         attempt AS (
             INSERT INTO {table('Attempt')} ({attempt_columns})
-            SELECT {attempt_values} FROM {source}
+            SELECT {attempt_values} FROM {source}, clock
             RETURNING {column('Attempt', 'id')} AS id, {column('Attempt', 'number')} AS number,
                 {column('Attempt', 'call')} AS call_id
         ), start_log AS (
             INSERT INTO {table('KeyStart')} ({log_columns})
-            SELECT {log_values} FROM {gate}, {_START_LOG} WHERE {condition}
+            SELECT {log_values} FROM {gate}, clock, {_START_LOG} WHERE {condition}
         ), buckets AS (
             INSERT INTO {table('KeyBucket')} ({bucket_columns})
             SELECT {bucket_values}
-            FROM {gate}, unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[])
-                AS b(key, period, tat_us)
+            FROM {gate}, clock, unnest(
+                %(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[], %(b_charged)s::bigint[]
+            ) AS b(key, period, tat_us, charged_us)
             WHERE {condition}
             ON CONFLICT ({column('KeyBucket', 'key')}, {column('KeyBucket', 'period')})
             DO UPDATE SET {column('KeyBucket', 'tat_us')} = EXCLUDED.{column('KeyBucket', 'tat_us')}
@@ -426,7 +431,9 @@ def mark_running_group() -> str:
         "total": "g.total",
     })
     return f"""
-        WITH d AS (
+        WITH clock AS (
+            SELECT %(now)s::timestamptz AS now
+        ), d AS (
             SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[]) AS d(id, dispatch_no)
         ), started AS (
             UPDATE {call} SET {started}
@@ -451,19 +458,26 @@ def mark_running_group() -> str:
 def mark_running() -> str:
     """Start a call in one statement: the guarded update, the attempt, the start log, buckets, the counters.
 
-    Returns the attempt's id and number, then every column of the call (``columns`` order).
+    The start is recorded at the statement's own clock (never before the clock it was judged on,
+    %(now)s), so the recorded start lies as close to the handler's request as the transaction
+    allows. Safe under the key locks held from the judgement to the commit: a window that had room
+    then still has it (its old starts only age out), and a bucket's charge is carried to the later
+    clock (``_start_writes``). Returns the attempt's id and number, then every column of the call
+    (``columns`` order).
     """
     c = functools.partial(column, "CallQueue")
     k = functools.partial(column, "KeyState")
     started = _assignments("CallQueue", {
-        "status": "%(running)s", "started_at": "%(now)s", "attempts": f"{c('attempts')} + 1",
+        "status": "%(running)s", "started_at": "(SELECT now FROM clock)", "attempts": f"{c('attempts')} + 1",
     })
     counters = _assignments("KeyState", {
         "reserved": f"{k('reserved')} - 1", "reserved_units": f"{k('reserved_units')} - log.units",
         "total": "log.cum",
     })
     return f"""
-        WITH started AS (
+        WITH clock AS (
+            SELECT GREATEST(%(now)s::timestamptz, {CLOCK}) AS now
+        ), started AS (
             UPDATE {table('CallQueue')} SET {started}
             WHERE {c('id')} = %(id)s AND {c('status')} = %(dispatched)s AND {c('dispatch_no')} = %(dispatch_no)s
             RETURNING *

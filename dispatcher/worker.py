@@ -112,7 +112,7 @@ def _call_handler(call: Any) -> Outcome:
     """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
-        with running_call(call.keys):  # the keys an API's rate-limit signals apply to
+        with running_call(call.keys, call.started_at):  # what an API's rate-limit signals apply to
             result = fn(**call.params)
     except RateLimited as exc:
         return Outcome("rate_limited", error=exc)

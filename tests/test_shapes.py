@@ -10,7 +10,7 @@ from django.core.management.base import CommandError
 
 from dispatcher import CostNeverFits, InvalidCost
 from dispatcher.limiter import Policies
-from dispatcher.models import CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.status import key_statuses
 from dispatcher.worker import execute
 
@@ -195,3 +195,35 @@ def test_a_refund_never_gives_a_new_bucket_units_it_did_not_charge(settings):
     third = CallQueue.objects.send("complete", {"max_tokens": 1})
     assert claim_all(third.key_set).calls == []
     assert KeyStart.objects.get(call_id=first.id).units == 0
+
+
+@pytest.mark.postgres
+def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_moves_with_it(settings, monkeypatch):
+    """PostgreSQL records a start at the start statement's clock (later than the one it was judged
+    on): the call, its attempt and its log row carry that one time, and a bucket is charged from it."""
+    from django.db import connection
+
+    from dispatcher.limiter import to_us
+
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
+    call = CallQueue.objects.send("greet", {"name": "ada"})
+    (claimed,) = claim_all(call.key_set).calls
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        (before,) = cursor.fetchone()
+    # The start is judged on a clock read 50 ms before (as a slow judgement would have).
+    load = Policies.load_with_clock.__func__
+    monkeypatch.setattr(Policies, "load_with_clock", classmethod(
+        lambda cls: (lambda loaded: (loaded[0], loaded[1] - timedelta(milliseconds=50)))(load(cls))
+    ))
+    assert run_all([claimed]) == ["done"]
+    call.refresh_from_db()
+    (attempt,) = Attempt.objects.filter(call=call)
+    (logged,) = KeyStart.objects.filter(key="greeter")
+    assert call.started_at == attempt.started_at == logged.started_at
+    assert call.started_at > before
+    (bucket,) = KeyBucket.objects.filter(key="greeter")
+    # An empty bucket is charged one interval from the start as recorded, not from an earlier clock.
+    assert bucket.tat_us == to_us(call.started_at) + 100_000
+    assert bucket.since == call.started_at
