@@ -22,6 +22,7 @@ from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.registry import get_handler
+from dispatcher.states import AttemptOutcome
 from dispatcher.validation import bounded_seconds, check_json
 
 log = logging.getLogger("dispatcher")
@@ -102,7 +103,7 @@ def _run(call: Any, attempt: Any, capped: bool) -> str:
 class Outcome:
     """What a handler did: "done" with its result, or the exception it raised and its traceback."""
 
-    kind: str  # "done", "rate_limited", "failed" or "error"
+    kind: AttemptOutcome  # DONE, RATE_LIMITED, FAILED or ERROR
     result: Any = None
     error: BaseException | None = None
     traceback: str = ""
@@ -115,37 +116,37 @@ def _call_handler(call: Any) -> Outcome:
         with running_call(call.keys, call.started_at):  # what an API's rate-limit signals apply to
             result = fn(**call.params)
     except RateLimited as exc:
-        return Outcome("rate_limited", error=exc)
+        return Outcome(AttemptOutcome.RATE_LIMITED, error=exc)
     except (PermanentError, UnknownMethod) as exc:
-        return Outcome("failed", error=exc, traceback=traceback.format_exc())
+        return Outcome(AttemptOutcome.FAILED, error=exc, traceback=traceback.format_exc())
     except Exception as exc:
-        return Outcome("error", error=exc, traceback=traceback.format_exc())
-    return Outcome("done", result=_jsonable(result))
+        return Outcome(AttemptOutcome.ERROR, error=exc, traceback=traceback.format_exc())
+    return Outcome(AttemptOutcome.DONE, result=_jsonable(result))
 
 
 def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> str:
     """Record what a started call's handler did; return the run's state."""
     exc = outcome.error
-    if outcome.kind == "rate_limited":
+    if outcome.kind == AttemptOutcome.RATE_LIMITED:
         assert isinstance(exc, RateLimited)
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
         retry_after = bounded_seconds(exc.retry_after)
         _record(CallQueue.objects.finish_rate_limited, call, attempt, retry_after, exc.key, f"RateLimited: {exc}")
         log.info("run_rate_limited call=%s retry_after=%s key=%s", call.id, exc.retry_after, exc.key)
-        return "rate_limited"
-    if outcome.kind in ("failed", "error"):
+        return str(AttemptOutcome.RATE_LIMITED)
+    if outcome.kind in (AttemptOutcome.FAILED, AttemptOutcome.ERROR):
         _record(
             CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", outcome.traceback,
-            permanent=outcome.kind == "failed", wake=capped,
+            permanent=outcome.kind == AttemptOutcome.FAILED, wake=capped,
         )
-        if outcome.kind == "failed":
+        if outcome.kind == AttemptOutcome.FAILED:
             log.info("run_failed call=%s error=%r", call.id, exc)
         else:
             log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
-        return outcome.kind
+        return str(outcome.kind)
     _record(CallQueue.objects.finish_done, call, attempt, outcome.result, wake=capped)
     log.info("run_done call=%s attempt=%s", call.id, attempt.number)
-    return "done"
+    return str(AttemptOutcome.DONE)
 
 
 @dataclass
@@ -195,7 +196,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         done = list(pool.map(_call_handler_in_pool, [run.call for run in runs]))
     # One call's (or the successes') failure to record must not strand the others: what could not
     # be recorded stays running until the rescue sweep returns it.
-    finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == "done"]
+    finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == AttemptOutcome.DONE]
     if finished:
         try:
             _record(
@@ -211,7 +212,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
             outcomes["done"] = outcomes.get("done", 0) + len(finished)
     for run, (outcome, reported) in zip(runs, done, strict=True):
         try:
-            if outcome.kind != "done":
+            if outcome.kind != AttemptOutcome.DONE:
                 state = _record_outcome(run.call, run.attempt, run.capped, outcome)
                 outcomes[state] = outcomes.get(state, 0) + 1
             if reported is not None:

@@ -215,8 +215,10 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     # The start is judged on a clock read 50 ms before (as a slow judgement would have).
     load = Policies.load_with_clock.__func__
     monkeypatch.setattr(Policies, "load_with_clock", classmethod(
-        lambda cls: (lambda loaded: (loaded[0], loaded[1] - timedelta(milliseconds=50)))(load(cls))
+        lambda cls, using=None: (lambda loaded: (loaded[0], loaded[1] - timedelta(milliseconds=50)))(load(cls, using))
     ))
+    # Read the policies (and that clock) afresh at the start, not the ones this process kept.
+    monkeypatch.setattr("dispatcher.limiter._kept", {})
     assert run_all([claimed]) == ["done"]
     call.refresh_from_db()
     (attempt,) = Attempt.objects.filter(call=call)
