@@ -616,12 +616,9 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
         # The manager's edits lock the key and wake the dispensers, as the command's do.
-        if change:
-            saved = RateLimit.objects.replace_policy(
-                obj.pk, obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst
-            )
-        else:
-            saved = RateLimit.objects.set_policy(obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst)
+        saved = RateLimit.objects.set_policy(
+            obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst, replacing=obj.pk if change else None
+        )
         obj.pk = saved.pk
 
     def delete_model(self, request: HttpRequest, obj: RateLimit) -> None:

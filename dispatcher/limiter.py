@@ -548,19 +548,6 @@ def _paused_until(key: str, state: KeyState, now: datetime, policies: Policies) 
     return max(paused, default=None)
 
 
-def check_keys(
-    keys: Sequence[str],
-    states: Mapping[str, KeyState],
-    now: datetime,
-    policies: Policies,
-    *,
-    for_start: bool,
-    using: str | None = None,
-) -> Verdict:
-    """Return the room of a set of keys: a call is admitted only if every key has room."""
-    return combine(list(check_each_key(keys, states, now, policies, for_start=for_start, using=using).values()))
-
-
 @dataclass
 class StartRecord:
     """What one start writes: log rows (key, units, running total) and bucket states (key, period, tat)."""

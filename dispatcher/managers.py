@@ -1157,11 +1157,20 @@ class RateLimitManager(models.Manager["RateLimit"]):
         concurrency: int | None = None,
         *,
         burst: int | None = None,
+        replacing: int | None = None,
     ) -> RateLimit:
-        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
+        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``.
+
+        ``replacing``: the id of the policy this edits (the admin's change form); a new key or
+        period makes a new policy, so that one is deleted (with its wake-up) in the same transaction.
+        """
         validate_policy_key(key)
         validate_shape(limit, period, burst, concurrency)
         with transaction.atomic(using=self.db):
+            if replacing is not None:
+                moved = self.filter(pk=replacing).exclude(key=key, period=period).values_list("key", "period").first()
+                if moved is not None:
+                    self.delete_policies(*moved)
             if not is_pattern(key):
                 # Serialise with starts of the key, which read the policies under this lock.
                 limiter.lock_keys([key], using=self.db)
@@ -1172,23 +1181,6 @@ class RateLimitManager(models.Manager["RateLimit"]):
             self._carry_buckets(old, policy, db_now(self.db))
             limiter.wake_dispensers(using=self.db)
         return policy
-
-    def replace_policy(
-        self,
-        pk: int,
-        key: str,
-        limit: int,
-        period: timedelta,
-        concurrency: int | None = None,
-        *,
-        burst: int | None = None,
-    ) -> RateLimit:
-        """Change policy ``pk``; a new key or period is a new policy, so the old one is deleted (with its wake-up)."""
-        with transaction.atomic(using=self.db):
-            old = self.filter(pk=pk).exclude(key=key, period=period).values_list("key", "period").first()
-            if old is not None:
-                self.delete_policies(*old)
-            return self.set_policy(key, limit, period, concurrency, burst=burst)
 
     def delete_policies(self, key: str, period: timedelta | None = None) -> int:
         """Delete the policies of ``key`` (only the one of ``period`` if given); return how many.

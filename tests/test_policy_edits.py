@@ -36,7 +36,7 @@ def test_ratelimit_delete_wakes_the_dispensers_as_set_does(wake_listener):
 def test_changing_a_policys_period_replaces_it_in_one_edit(wake_listener):
     policy = RateLimit.objects.set_policy("edits", 1, timedelta(hours=1))
     wake_listener()
-    RateLimit.objects.replace_policy(policy.pk, "edits", 2, timedelta(minutes=1))
+    RateLimit.objects.set_policy("edits", 2, timedelta(minutes=1), replacing=policy.pk)
     # One transaction: the delete's and the set's wake-ups are delivered as one notification.
     assert wake_listener() == 1
     assert list(RateLimit.objects.filter(key="edits").values_list("limit", "period")) == [(2, timedelta(minutes=1))]
