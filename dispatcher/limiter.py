@@ -18,10 +18,21 @@ from datetime import UTC, datetime, timedelta
 from django.db import connection, models
 from django.db.models import Q
 
-from dispatcher import sql
+from dispatcher import arrivals, sql
 from dispatcher.keys import is_pattern, pattern_matches
+from dispatcher.policies import (
+    DelayMemory,
+    Reading,
+    SlidingWindow,
+    TokenBucket,
+    arrival_guard,
+    learnt_delay,
+    make_policy,
+    memory,
+    remember_delay,
+    validate,
+)
 from dispatcher.policies import Policy as PolicyShape
-from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy, validate
 
 UNLIMITED = 10**9
 # Marks learnt limits among the policy rows (no real policy has a negative concurrency).
@@ -53,6 +64,10 @@ class Policies:
     pattern_pauses: dict[str, datetime] = field(default_factory=dict)
     # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
     learnt: dict[str, list[Policy]] = field(default_factory=dict)
+    # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
+    # and the key's policies with it applied.
+    guards: dict[str, timedelta] = field(default_factory=dict)
+    _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -91,6 +106,7 @@ class Policies:
         # and the LEFT JOIN returns it even when no policy exists.
         policies_sql, params = _policies_sql()
         with connection.cursor() as cursor:
+            arrivals.mark_clock()  # the start's recorded time: its worker measures the send against it
             cursor.execute(sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         return cls._from_db_rows([row[1:] for row in rows if row[1] is not None]), rows[0][0]
@@ -125,9 +141,34 @@ class Policies:
         return []
 
     def for_key(self, key: str) -> list[PolicyShape]:
-        """Return the policies governing a key: the ones set for it and the limits learnt for it."""
+        """Return the policies governing a key: the ones set for it and the limits learnt for it,
+        with the key's learnt arrival guard once ``apply_guards`` has set one."""
+        if key in self._guarded:
+            return self._guarded[key]
         learnt = self.learnt.get(key, []) if self.learnt else []
-        return self.configured_for_key(key) + learnt
+        governing = self.configured_for_key(key) + learnt
+        guard = self.guards.get(key)
+        if guard is None:
+            return governing
+        guarded = self._guarded[key] = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
+        return guarded
+
+    def apply_guards(self, keys: Iterable[str], states: Mapping[str, models.Model], now: datetime) -> dict[str, timedelta]:
+        """Give each key's policies the guard its measured delays call for; return each key's memory span."""
+        from dispatcher.conf import dispatcher_settings
+
+        floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX
+        spans = {}
+        for key in keys:
+            self._guarded.pop(key, None)
+            self.guards.pop(key, None)
+            governing = self.for_key(key)
+            if not governing:
+                continue
+            span = spans[key] = memory(governing, max(floor, cap))
+            learnt = learnt_delay(delay_memory(states.get(key)), now, span)
+            self.guards[key] = arrival_guard(floor, cap, learnt)
+        return spans
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None
@@ -358,6 +399,9 @@ def assess(
     costs: Mapping[str, int] | None = None,
 ) -> Assessment:
     """Judge every key, reading all their policies in one query."""
+    spans = policies.apply_guards(keys, states, now)
+    if for_start:
+        arrivals.note_start(spans, {k: delay_memory(states.get(k)) for k in spans}, now)
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
@@ -497,6 +541,49 @@ def adjust(
         )
 
 
+def delay_memory(state: models.Model | None) -> DelayMemory:
+    """Return the start-to-send delays a key's state row remembers."""
+    if state is None:
+        return DelayMemory()
+    return DelayMemory(
+        timedelta(microseconds=getattr(state, "send_delay_us", 0) or 0),
+        timedelta(microseconds=getattr(state, "send_delay_prev_us", 0) or 0),
+        getattr(state, "send_delay_since", None),
+    )
+
+
+def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta) -> int:
+    """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
+
+    On PostgreSQL one statement that writes only rows whose memory changes (a new largest delay,
+    or a span gone by: at most a few per key and second), so it waits on no key lock otherwise.
+    """
+    from django.db import transaction
+
+    from dispatcher.clock import db_now
+    from dispatcher.models import KeyState
+
+    if not spans:
+        return 0
+    if connection.vendor == "postgresql":
+        us = delay // timedelta(microseconds=1)
+        with connection.cursor() as cursor:
+            cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+            return cursor.rowcount
+    written = 0
+    with transaction.atomic():
+        now = db_now()
+        for state in KeyState.objects.select_for_update().filter(key__in=list(spans)).order_by("key"):
+            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
+            if kept is not None:
+                written += KeyState.objects.filter(key=state.key).update(
+                    send_delay_us=kept.current // timedelta(microseconds=1),
+                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
+                    send_delay_since=kept.since,
+                )
+    return written
+
+
 def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:
     """Pause keys until the given time, never shortening a longer pause already set."""
     from dispatcher.models import KeyState
@@ -516,9 +603,9 @@ def prune_starts(batch: int = 5000) -> int:
     from dispatcher.conf import dispatcher_settings
     from dispatcher.models import KeyStart, RateLimit
 
-    # Kept as long as the longest window counts (its period and the arrival guard).
+    # Kept as long as the longest window counts (its period and the largest arrival guard).
     longest = max([timedelta(hours=1), *RateLimit.objects.values_list("period", flat=True)])
-    cutoff = db_now() - longest - dispatcher_settings.ARRIVAL_GUARD
+    cutoff = db_now() - longest - max(dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX)
     deleted = 0
     while True:
         with transaction.atomic():

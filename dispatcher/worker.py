@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connection
 
+from dispatcher import arrivals, limiter
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
@@ -82,13 +83,29 @@ def execute(call_id: int, dispatch_no: int) -> str:
     assert call is not None and attempt is not None
     log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
+    clock_read, noted = arrivals.begin()
     try:
         return _run(call, attempt, started.capped)
     finally:
+        _remember_delay(call.id, clock_read, noted)
         reported = take_reported()
         if reported is not None:
             deltas = _record(CallQueue.objects.correct_cost, call, reported)
             log.info("run_cost_corrected call=%s change=%s", call.id, deltas)
+
+
+def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
+    """Keep the measured start-to-send delay for the keys' arrival guard; never fails the call."""
+    delay = arrivals.sent_after(clock_read)
+    spans = arrivals.to_write(clock_read, noted, delay) if delay is not None else {}
+    if not spans:
+        return
+    try:
+        if limiter.remember_send_delay(spans, delay):
+            log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
+    except (OperationalError, InterfaceError) as exc:
+        log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)
+        connection.close()
 
 
 def _run(call: Any, attempt: Any, capped: bool) -> str:
@@ -98,6 +115,7 @@ def _run(call: Any, attempt: Any, capped: bool) -> str:
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys):  # the keys an API's rate-limit signals apply to
+            arrivals.mark_invoked()
             result = fn(**call.params)
     except RateLimited as exc:
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
