@@ -27,6 +27,9 @@ T = TypeVar("T")
 
 # Waits for a slot a call was claimed ahead of, before the start defers it.
 EARLY_TRIES = 3
+# How much before its slot a worker that came early tries again: half the time a start waits
+# for its slot holding the key locks (queries.HOLD_FOR_SLOT, 30 ms).
+EARLY_WAKE = 0.015
 # About 6 s of retries in all: long enough to ride out a failover or a killed connection.
 RECORD_TRIES = 6
 
@@ -73,7 +76,10 @@ def execute(call_id: int, dispatch_no: int) -> str:
         started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker, may_wait=ahead)
         if started.state != "early":
             break
-        time.sleep(started.wait.total_seconds())
+        # Wake a little before the slot: the next start then finds it within HOLD_FOR_SLOT and
+        # waits for it holding the key locks, so it lands on the slot rather than a sleep's
+        # overshoot and a start's round trips after it (measured: 8-76 ms, 20 ms typical).
+        time.sleep(max(started.wait.total_seconds() - EARLY_WAKE, 0.0))
     else:
         started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker)
     if started.state != "started":
