@@ -22,7 +22,9 @@ _clock_read: contextvars.ContextVar[float | None] = contextvars.ContextVar("disp
 _sent: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_sent", default=None)
 _invoked: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_invoked", default=None)
 # What a start noted: each key's memory span, what its memory held, the start's database time.
-Noted = tuple[dict[str, timedelta], dict[str, DelayMemory], datetime]
+Noted = tuple[
+    dict[str, timedelta], dict[str, DelayMemory], datetime, dict[str, timedelta], dict[str, list[timedelta]]
+]
 _spans: contextvars.ContextVar[Noted | None] = contextvars.ContextVar("dispatcher_spans", default=None)
 
 
@@ -31,10 +33,28 @@ def mark_clock() -> None:
     _clock_read.set(time.monotonic())
 
 
-def note_start(spans: dict[str, timedelta], kept: dict[str, DelayMemory], now: datetime) -> None:
-    """Remember, for the start being judged, how long each key keeps its measured delays and what
-    it kept at ``now`` (so a worker writes only a delay that changes it)."""
-    _spans.set((spans, kept, now))
+def note_start(
+    spans: dict[str, timedelta], kept: dict[str, DelayMemory], now: datetime, learnt: dict[str, timedelta],
+    buckets: dict[str, list[timedelta]],
+) -> None:
+    """Remember, for the start being judged, how long each key keeps its measured delays, what it
+    kept at ``now`` (so a worker writes only a delay that changes it), the delay each key's guard
+    was learnt from and the periods of its buckets."""
+    _spans.set((spans, kept, now, learnt, buckets))
+
+
+def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timedelta], timedelta]]:
+    """Return, per key with buckets, its bucket periods and how much later than its start's guard
+    allowed for the request went out (a bucket's state is charged at the start, with the guard
+    known then: a later send must move it on by the difference)."""
+    if noted is None:
+        return {}
+    _, _, _, learnt, buckets = noted
+    return {
+        key: (periods, delay - learnt.get(key, timedelta(0)))
+        for key, periods in buckets.items()
+        if periods and delay > learnt.get(key, timedelta(0))
+    }
 
 
 def to_write(clock_read: float | None, noted: Noted | None, delay: timedelta) -> dict[str, timedelta]:
@@ -42,7 +62,7 @@ def to_write(clock_read: float | None, noted: Noted | None, delay: timedelta) ->
     the start read; a worker skips the write for the others (no round trip in the steady state)."""
     if noted is None or clock_read is None:
         return {}
-    spans, kept, at = noted
+    spans, kept, at, _, _ = noted
     now = at + timedelta(seconds=max(time.monotonic() - clock_read, 0.0))
     return {
         key: span for key, span in spans.items()

@@ -103,7 +103,7 @@ class DispatcherSettings:
         "20ms", _non_negative_duration,
         "Least spread between a call's recorded start and its arrival at the API that every policy absorbs "
         "(a window counts over period + guard; a bucket holds back burst, or slows its rate); a key's "
-        "guard rises to the start-to-send delay its workers measure.",
+        "guard adds the start-to-send delay its workers measure.",
     )
     ARRIVAL_GUARD_MAX = Setting(
         "250ms", _non_negative_duration,

@@ -67,6 +67,7 @@ class Policies:
     # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
     # and the key's policies with it applied.
     guards: dict[str, timedelta] = field(default_factory=dict)
+    learnt_delays: dict[str, timedelta] = field(default_factory=dict)
     _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
     @classmethod
@@ -166,7 +167,7 @@ class Policies:
             if not governing:
                 continue
             span = spans[key] = memory(governing, max(floor, cap))
-            learnt = learnt_delay(delay_memory(states.get(key)), now, span)
+            learnt = self.learnt_delays[key] = learnt_delay(delay_memory(states.get(key)), now, span)
             self.guards[key] = arrival_guard(floor, cap, learnt)
         return spans
 
@@ -401,7 +402,10 @@ def assess(
     """Judge every key, reading all their policies in one query."""
     spans = policies.apply_guards(keys, states, now)
     if for_start:
-        arrivals.note_start(spans, {k: delay_memory(states.get(k)) for k in spans}, now)
+        arrivals.note_start(
+            spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
+            {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
+        )
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
@@ -582,6 +586,26 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta) -> int
                     send_delay_since=kept.since,
                 )
     return written
+
+
+def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]]) -> None:
+    """Move the buckets of keys on by how much later than their guard allowed a request went out.
+
+    A bucket's state is charged at the start with the guard known then; a request sent later
+    arrives later, and GCRA's state moves at most as much as an arrival does, so moving it on by
+    the difference keeps it at or past the API's. Under the key locks: a start reads and writes
+    the bucket under them.
+    """
+    from django.db import transaction
+
+    from dispatcher.models import KeyBucket
+
+    with transaction.atomic():
+        lock_keys(list(overdue))
+        for key, (periods, late) in overdue.items():
+            KeyBucket.objects.filter(key=key, period__in=list(periods)).update(
+                tat_us=models.F("tat_us") + late // timedelta(microseconds=1)
+            )
 
 
 def pause(keys: Sequence[str], until: datetime, reason: str = "") -> None:

@@ -11,8 +11,8 @@ request's arrival at the API: a window counts over ``period + guard``; a bucket 
 ``ceil(guard / interval)`` of its burst (capped so one unit still fits) and lengthens its
 interval by what the burst could not absorb. See ``effective`` of each shape for the proof
 sketch and docs/policies.md for the cost in throughput. The guard applied to a key is the
-larger of that floor and the start-to-send delay its workers measured lately (``learnt_delay``,
-kept by ``remember_delay``), capped by ``DISPATCHER_ARRIVAL_GUARD_MAX``.
+start-to-send delay its workers measured lately (``learnt_delay``,
+kept by ``remember_delay``) with that floor on top, capped by ``DISPATCHER_ARRIVAL_GUARD_MAX``.
 """
 from __future__ import annotations
 
@@ -338,15 +338,14 @@ def remember_delay(kept: DelayMemory, now: datetime, span: timedelta, measured: 
     return None
 
 
-# What the worker cannot see (the network, the API reading the request) varies too: measured on
-# a loaded 2-core machine it added up to 8 ms to delays of 20-60 ms. A learnt delay counts a
-# quarter more.
-LEARNT_MARGIN = Fraction(5, 4)
-
-
 def arrival_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> timedelta:
-    """Return the guard a key's policies absorb: the measured delay and its margin, at least the floor, at most the cap."""
-    return max(floor, min(cap, _ceil_us(_us(learnt) * LEARNT_MARGIN)))
+    """Return the guard a key's policies absorb: the configured guard on top of the measured delay,
+    at most the cap (and never less than the configured guard).
+
+    The measured delay ends when the request leaves the worker; what follows (the network, the
+    API reading the request) varies too and is not measured: the configured guard covers it.
+    """
+    return max(floor, min(cap, floor + learnt))
 
 
 def _floor_td(value: Fraction) -> timedelta:

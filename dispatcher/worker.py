@@ -103,10 +103,16 @@ def execute(call_id: int, dispatch_no: int) -> str:
 def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
     """Keep the measured start-to-send delay for the keys' arrival guard; never fails the call."""
     delay = arrivals.sent_after(clock_read)
-    spans = arrivals.to_write(clock_read, noted, delay) if delay is not None else {}
-    if not spans:
+    if delay is None:
+        return
+    overdue = arrivals.overdue(noted, delay)
+    spans = arrivals.to_write(clock_read, noted, delay)
+    if not spans and not overdue:
         return
     try:
+        if overdue:
+            limiter.push_buckets(overdue)
+            log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
         if limiter.remember_send_delay(spans, delay):
             log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
     except (OperationalError, InterfaceError) as exc:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,12 +74,13 @@ def test_the_memory_spans_the_policies_horizon_within_bounds():
     assert memory([day]) == MEMORY_MAX
 
 
-def test_the_guard_is_the_learnt_delay_with_its_margin_between_the_floor_and_the_cap():
+def test_the_guard_is_the_configured_one_on_top_of_the_learnt_delay_up_to_the_cap():
     floor, cap = 20 * MS, 250 * MS
     assert arrival_guard(floor, cap, timedelta(0)) == floor
-    assert arrival_guard(floor, cap, 8 * MS) == floor
-    assert arrival_guard(floor, cap, 40 * MS) == 50 * MS
+    assert arrival_guard(floor, cap, 8 * MS) == 28 * MS
+    assert arrival_guard(floor, cap, 40 * MS) == 60 * MS
     assert arrival_guard(floor, cap, 900 * MS) == cap
+    assert arrival_guard(300 * MS, cap, 40 * MS) == 300 * MS  # a configured guard above the cap wins
 
 
 def test_a_learnt_guard_never_shrinks_what_a_bucket_holds():
@@ -98,7 +100,27 @@ def test_a_worker_writes_only_a_delay_that_changes_what_its_start_read():
     kept = {"k": DelayMemory(30 * MS, timedelta(0), T0)}
     arrivals.mark_clock()
     clock_read, _ = arrivals.begin()
-    noted = ({"k": span}, kept, T0 + 100 * MS)
+    noted = ({"k": span}, kept, T0 + 100 * MS, {"k": 30 * MS}, {"k": [timedelta(seconds=1)]})
     assert arrivals.to_write(clock_read, noted, 20 * MS) == {}
     assert arrivals.to_write(clock_read, noted, 40 * MS) == {"k": span}
     assert arrivals.to_write(None, noted, 40 * MS) == {}
+    # A bucket was charged at the start with a guard learnt from 30 ms: a send 40 ms after the
+    # start moves it on by 10 ms; one within 30 ms does not move it.
+    assert arrivals.overdue(noted, 20 * MS) == {}
+    assert arrivals.overdue(noted, 40 * MS) == {"k": ([timedelta(seconds=1)], 10 * MS)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_late_send_moves_the_keys_buckets_on_by_how_late_it_was():
+    from dispatcher.limiter import push_buckets
+    from dispatcher.models import KeyBucket
+
+    second, minute = timedelta(seconds=1), timedelta(minutes=1)
+    KeyBucket.objects.create(key="shop", period=second, tat_us=1_000_000, since=T0)
+    KeyBucket.objects.create(key="shop", period=minute, tat_us=1_000_000, since=T0)
+    KeyBucket.objects.create(key="other", period=second, tat_us=1_000_000, since=T0)
+    push_buckets({"shop": ([second], 12 * MS)})
+    assert dict(KeyBucket.objects.values_list("key", "tat_us").filter(period=second)) == {
+        "shop": 1_012_000, "other": 1_000_000,
+    }
+    assert KeyBucket.objects.get(key="shop", period=minute).tat_us == 1_000_000
