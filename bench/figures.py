@@ -805,6 +805,53 @@ def http_hostile(ctx: Context) -> list[Figure]:
     return rows
 
 
+# --- held at the API: every policy shape, counted at the partner's arrivals -----------------
+
+ARRIVAL_SHAPES = {
+    "window": "sliding window 10 per 2 s",
+    "bucket": "token bucket 5/s, burst 10",
+    "smooth": "smooth rate 2/s (burst 1)",
+    "units": "unit budget 30 per 2 s, costs 1-3",
+}
+
+
+def arrivals(ctx: Context) -> list[Figure]:
+    """The http handler at default settings against partners enforcing each shape on arrival."""
+    from support.arrivals import run_shapes
+    from support.fakeapi import FakeAPI
+
+    env = _http_env()
+    runs: dict[str, dict[str, dict[str, float]]] = {}
+    # The baseline: the same scenario with the configured 20 ms guard alone (learning off); the
+    # quick mode (CI) runs the scenario once, without it.
+    variants = [("learnt", {})]
+    if ctx.sizes == FULL or os.environ.get("BENCH_ARRIVALS_BASELINE"):
+        variants.append(("fixed", {"DISPATCHER_ARRIVAL_GUARD_MAX": "20ms"}))
+    for label, extra in variants:
+        reset_tables()
+        api = FakeAPI().start()
+        procs = ctx.processes(**env, **extra)
+        try:
+            runs[label] = run_shapes(procs, api, queue=ctx.queue)
+        finally:
+            procs.stop_all()
+            api.stop()
+    return [
+        Figure(
+            f"held at the API: {ARRIVAL_SHAPES[name]} (http handler, 3 dispensers, 2 late workers)",
+            f"{f['used']:.1%} used, {f['refused']} 429s, start->arrival p50 {f['p50_ms']:.0f} ms, spread {f['spread_ms']:.0f} ms",
+            ">= 90%, 0 429s",
+            (
+                f"fixed 20 ms guard: {runs['fixed'][name]['used']:.1%} used, {runs['fixed'][name]['refused']} 429s"
+                if "fixed" in runs else "fixed 20 ms guard: run with --full"
+            ),
+            f["used"] >= 0.9 and f["refused"] == 0,
+            {**f, **({"fixed_guard": runs["fixed"][name]} if "fixed" in runs else {})},
+        )
+        for name, f in runs["learnt"].items()
+    ]
+
+
 def _wait_finished(call_id: int, timeout: float) -> bool:
     from dispatcher.models import CallQueue
     from support.processes import wait_until
@@ -819,6 +866,7 @@ ALL = {
     "utilisation": utilisation,
     "utilisation_bucket": utilisation_bucket,
     "limit_size": limit_size,
+    "arrivals": arrivals,
     "completed": completed_calls,
     "http_threads": http_threads,
     "enqueue": enqueue,

@@ -106,8 +106,14 @@ class DispatcherSettings:
     )
     ARRIVAL_GUARD = Setting(
         "20ms", _non_negative_duration,
-        "Spread between a call's recorded start and its arrival at the API that every policy absorbs "
-        "(a window counts over period + guard; a bucket holds back burst, or slows its rate).",
+        "Least spread between a call's recorded start and its arrival at the API that every policy absorbs "
+        "(a window counts over period + guard; a bucket holds back burst, or slows its rate); a key's "
+        "guard adds the start-to-send delay its workers measure.",
+    )
+    ARRIVAL_GUARD_MAX = Setting(
+        "250ms", _non_negative_duration,
+        "Largest guard a key's measured start-to-send delays may raise it to (set it to DISPATCHER_ARRIVAL_GUARD "
+        "to use the configured guard alone).",
     )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")

@@ -72,7 +72,11 @@ class Dispenser:
                 self._publish(claimed.calls, report)
                 served = {call.key_set for call in claimed.calls}
                 self.cursor = [k for k in key_sets if k in served][-1]
-            waits = [v.until for v in claimed.verdicts.values() if v.blocked and v.until is not None]
+            # Claims judge the policies DISPATCHER_DISPATCH_AHEAD ahead (the worker waits for the
+            # slot), so look again that much before room returns: a call then reaches its worker
+            # as its slot frees rather than a claim, a publish and a delivery after it.
+            ahead = dispatcher_settings.DISPATCH_AHEAD
+            waits = [v.until - ahead for v in claimed.verdicts.values() if v.blocked and v.until is not None]
         report.full = report.moved >= self.batch
         if not report.full:
             # A full pass is followed by another at once; only a partial one needs to know

@@ -14,7 +14,7 @@ import idna
 from django.conf import settings as django_settings
 from django.http.request import validate_host
 
-from dispatcher import PermanentError, RateLimited, handler, httpclient, learning, ratelimit_headers
+from dispatcher import PermanentError, RateLimited, arrivals, handler, httpclient, learning, ratelimit_headers
 from dispatcher.backends import check_task_params, run_task
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
@@ -288,8 +288,9 @@ def http(**params: Any) -> dict[str, Any]:
     limit = max(dispatcher_settings.HTTP_MAX_BODY, 0)
     try:
         # ``timeout`` bounds the whole call: connect, send, headers and body together.
+        # The trace hook tells the worker when the request's headers go out (the learnt arrival guard).
         with httpclient.deadline(timeout), get_client().stream(
-            params["method"].upper(), url, timeout=timeout, **request
+            params["method"].upper(), url, timeout=timeout, extensions={"trace": arrivals.trace}, **request
         ) as response:
             raw, truncated = read_body(response, limit * 4)
             status, answer_headers = response.status_code, response.headers

@@ -9,6 +9,7 @@ index probes) and a bucket's one timestamp per key and policy.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -21,12 +22,22 @@ from django.db import connections, models, router, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from dispatcher import sql, tables
+from dispatcher import arrivals, sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, parse_key_set, pattern_matches
+from dispatcher.policies import (
+    DelayMemory,
+    Reading,
+    SlidingWindow,
+    TokenBucket,
+    arrival_guard,
+    learnt_delay,
+    make_policy,
+    memory,
+    remember_delay,
+)
 from dispatcher.policies import Policy as PolicyShape
-from dispatcher.policies import Reading, SlidingWindow, TokenBucket, make_policy
 from dispatcher.states import CallStatus
 
 if TYPE_CHECKING:
@@ -73,6 +84,13 @@ class Policies:
     learnt: dict[str, list[PolicyShape]] = field(default_factory=dict)
     # When the first of the learnt limits expires (these policies are not current after it).
     learnt_until: datetime | None = None
+    # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
+    # the delay it was learnt from, how long the key's delays are remembered, and the key's
+    # policies with the guard applied. A start's own: ``fresh`` gives each start a copy.
+    guards: dict[str, timedelta] = field(default_factory=dict)
+    learnt_delays: dict[str, timedelta] = field(default_factory=dict)
+    spans: dict[str, timedelta] = field(default_factory=dict)
+    _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -105,12 +123,15 @@ class Policies:
         """Read the policies and the database's clock (``db_now``) in one round trip."""
         db = alias(using)
         if not sql.postgresql_path(db):
-            return cls.load(db), db_now(db)
+            policies = cls.load(db)
+            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
+            return policies, db_now(db)
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
         # and the LEFT JOIN returns it even when no policy exists.
         policies_sql, params = _policies_sql(db)
         with connections[db].cursor() as cursor:
+            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
             cursor.execute(sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
@@ -149,9 +170,51 @@ class Policies:
         return []
 
     def for_key(self, key: str) -> list[PolicyShape]:
-        """Return the policies governing a key: the ones set for it and the limits learnt for it."""
+        """Return the policies governing a key: the ones set for it and the limits learnt for it,
+        with the key's learnt arrival guard once ``apply_guards`` has set one."""
+        if key in self._guarded:
+            return self._guarded[key]
         learnt = self.learnt.get(key, []) if self.learnt else []
-        return self.configured_for_key(key) + learnt
+        governing = self.configured_for_key(key) + learnt
+        guard = self.guards.get(key)
+        if guard is None:
+            return governing
+        guarded = self._guarded[key] = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
+        return guarded
+
+    def fresh(self) -> Policies:
+        """Return these policies without any key's learnt guard: a start's own copy to guard.
+
+        A process keeps its policies for later starts, on several threads at once; each start
+        applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
+        """
+        return dataclasses.replace(self, guards={}, learnt_delays={}, spans={}, _guarded={})
+
+    def apply_guards(
+        self, keys: Iterable[str], states: Mapping[str, KeyState], now: datetime | None
+    ) -> dict[str, timedelta]:
+        """Give each key's policies the guard its measured delays call for; return each key's memory span.
+
+        ``now`` None: before the clock is read (``policies_for_start``), the largest delay the key
+        remembers from its last two spans, which is never less than what ``now`` would find.
+        """
+        floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX
+        spans = {}
+        for key in keys:
+            self._guarded.pop(key, None)
+            self.guards.pop(key, None)
+            governing = self.for_key(key)
+            if not governing:
+                continue
+            span = spans[key] = self.spans[key] = memory(governing, max(floor, cap))
+            kept = delay_memory(states.get(key))
+            if now is None:
+                learnt = max(kept.current, kept.previous) if kept.since is not None else timedelta(0)
+            else:
+                learnt = learnt_delay(kept, now, span)
+            self.learnt_delays[key] = learnt
+            self.guards[key] = arrival_guard(floor, cap, learnt)
+        return spans
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None
@@ -209,7 +272,7 @@ def _remember(db: str, version: int | None, policies: Policies) -> None:
     if version is None:
         _kept.pop(db, None)
     else:
-        _kept[db] = (version, policies)
+        _kept[db] = (version, policies.fresh())
 
 
 def kept_policies(using: str | None = None) -> tuple[int, Policies] | None:
@@ -253,10 +316,14 @@ def policies_for_start(
         policies, now = Policies.load_with_clock(db)
         return policies, now, None
     version, policies = kept
+    # The keys' guards before their probes: the probes read each window over its guarded span.
+    policies = policies.fresh()
+    policies.apply_guards(keys, states, None)
     governed = {key: governing for key in keys if (governing := policies.for_key(key))}
     kinds, params = _probes(governed, lambda span: span, db)
     policies_sql, policy_params = _policies_sql(db)
     with connections[db].cursor() as cursor:
+        arrivals.mark_clock()  # the start's clock: its worker measures the send against it
         cursor.execute(
             sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
         )
@@ -510,7 +577,20 @@ def assess(
     using: str | None = None,
     read: Read | None = None,
 ) -> Assessment:
-    """Judge every key, reading all their policies in one query (none if ``read`` has them)."""
+    """Judge every key, reading all their policies in one query (none if ``read`` has them).
+
+    Each key's policies take the arrival guard its measured delays call for first; with ``read``,
+    ``policies_for_start`` applied them before it read the keys' probes.
+    """
+    if read is None:
+        spans = policies.apply_guards(keys, states, now)
+    else:
+        spans = {k: policies.spans[k] for k in keys if k in policies.spans}
+    if for_start:
+        arrivals.note_start(
+            spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
+            {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
+        )
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
@@ -694,6 +774,64 @@ def adjust(
         )
 
 
+def delay_memory(state: KeyState | None) -> DelayMemory:
+    """Return the start-to-send delays a key's state row remembers."""
+    if state is None:
+        return DelayMemory()
+    return DelayMemory(
+        timedelta(microseconds=getattr(state, "send_delay_us", 0) or 0),
+        timedelta(microseconds=getattr(state, "send_delay_prev_us", 0) or 0),
+        getattr(state, "send_delay_since", None),
+    )
+
+
+def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:
+    """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
+
+    On PostgreSQL one statement (``sql.remember_send_delay``) that writes only rows whose memory
+    changes (a new largest delay, or a span gone by: at most a few per key and second), so it
+    waits on no key lock otherwise.
+    """
+    if not spans:
+        return 0
+    db = alias(using)
+    if sql.postgresql_path(db):
+        us = delay // timedelta(microseconds=1)
+        with connections[db].cursor() as cursor:
+            cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+            return cursor.rowcount
+    written = 0
+    states = tables.KeyState.objects.using(db)
+    with transaction.atomic(using=db):
+        now = db_now(db)
+        for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
+            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
+            if kept is not None:
+                written += states.filter(key=state.key).update(
+                    send_delay_us=kept.current // timedelta(microseconds=1),
+                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
+                    send_delay_since=kept.since,
+                )
+    return written
+
+
+def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:
+    """Move the buckets of keys on by how much later than their guard allowed a request went out.
+
+    A bucket's state is charged at the start with the guard known then; a request sent later
+    arrives later, and GCRA's state moves at most as much as an arrival does, so moving it on by
+    the difference keeps it at or past the API's. Under the key locks: a start reads and writes
+    the bucket under them.
+    """
+    db = alias(using)
+    with transaction.atomic(using=db):
+        lock_keys(list(overdue), using=db)
+        for key, (periods, late) in overdue.items():
+            tables.KeyBucket.objects.using(db).filter(key=key, period__in=list(periods)).update(
+                tat_us=models.F("tat_us") + late // timedelta(microseconds=1)
+            )
+
+
 def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:
     """Pause keys until the given time, never shortening a longer pause already set."""
     states = tables.KeyState.objects.using(alias(using))
@@ -706,10 +844,10 @@ def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | N
 
 def prune_starts(batch: int = 5000, using: str | None = None) -> int:
     """Delete window-log rows older than the longest policy period (at least an hour)."""
-    # Kept as long as the longest window counts (its period and the arrival guard).
+    # Kept as long as the longest window counts (its period and the largest arrival guard).
     db = alias(using)
     longest = max([timedelta(hours=1), *tables.RateLimit.objects.using(db).values_list("period", flat=True)])
-    cutoff = db_now(db) - longest - dispatcher_settings.ARRIVAL_GUARD
+    cutoff = db_now(db) - longest - max(dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX)
     deleted = 0
     while True:
         with transaction.atomic(using=db):

@@ -10,7 +10,9 @@ A guard (``DISPATCHER_ARRIVAL_GUARD``) absorbs the spread between a recorded sta
 request's arrival at the API: a window counts over ``period + guard``; a bucket gives up
 ``ceil(guard / interval)`` of its burst (capped so one unit still fits) and lengthens its
 interval by what the burst could not absorb. See ``effective`` of each shape for the proof
-sketch and docs/policies.md for the cost in throughput.
+sketch and docs/policies.md for the cost in throughput. The guard applied to a key is the
+start-to-send delay its workers measured lately (``learnt_delay``,
+kept by ``remember_delay``) with that floor on top, capped by ``DISPATCHER_ARRIVAL_GUARD_MAX``.
 """
 from __future__ import annotations
 
@@ -107,6 +109,15 @@ class Policy:
     def with_guard(self, guard: timedelta) -> Policy:
         return type(self)(**{**self.__dict__, "guard": guard})
 
+    def with_learnt_guard(self, guard: timedelta) -> Policy:
+        """Return the policy under a guard learnt at run time, never holding less than it does now."""
+        return self.with_guard(guard)
+
+    @property
+    def horizon(self) -> timedelta:
+        """How far back a start still bears on what this policy admits (a window: its period)."""
+        return self.period
+
 
 @dataclass(frozen=True)
 class SlidingWindow(Policy):
@@ -160,6 +171,10 @@ class TokenBucket(Policy):
 
     shape: ClassVar[str] = "bucket"
     burst: int = 1
+    # At most this many tokens of the burst go to the guard (None: as many as it takes); the
+    # rest of the guard slows the rate. A learnt guard keeps the reserve of the configured one,
+    # so a call whose cost send() accepted always fits again.
+    reserve_cap: int | None = field(default=None, compare=False)
 
     # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
     # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
@@ -178,7 +193,7 @@ class TokenBucket(Policy):
         k = min(self.burst - 1, math.floor(g / t))
         if k + 1 <= self.burst - 1 and self._extra(k) > self.GUARD_RATE_SHARE * t:
             k += 1
-        return k
+        return k if self.reserve_cap is None else min(k, self.reserve_cap)
 
     def _extra(self, k: int) -> Fraction:
         return max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
@@ -256,8 +271,84 @@ class TokenBucket(Policy):
     def label(self) -> str:
         return f"{super().label()}, burst {self.burst}"
 
+    def with_learnt_guard(self, guard: timedelta) -> TokenBucket:
+        return type(self)(**{**self.__dict__, "guard": guard, "reserve_cap": self.reserve})
+
+    @property
+    def horizon(self) -> timedelta:
+        """The time an emptied bucket takes to fill again: older starts no longer bear on it."""
+        return _ceil_us(self.burst * self._interval_exact)
+
     def _interval_text(self) -> str:
         return f"{float(self._interval_exact) / 1000:g}ms"
+
+
+# --- the learnt guard: start-to-send delays remembered per key -----------------------------------
+
+# Delays are remembered at least this long whatever the policies, so a key sends at most a few
+# measurements per second, and at most this long, so one slow moment does not tax a day window
+# for a day (older delays fall back to the configured floor).
+MEMORY_MIN = timedelta(seconds=1)
+MEMORY_MAX = timedelta(minutes=10)
+
+
+def memory(policies: Sequence[Policy], guard: timedelta = timedelta(0)) -> timedelta:
+    """Return how long a key's measured delays must be remembered, bounded: its policies' longest
+    horizon and the largest guard (a start that bears on what a policy admits now began at most
+    that long ago, and its delay was measured later still)."""
+    longest = max((p.horizon for p in policies), default=MEMORY_MIN) + guard
+    return min(max(longest, MEMORY_MIN), MEMORY_MAX)
+
+
+@dataclass(frozen=True)
+class DelayMemory:
+    """The largest start-to-send delay measured on a key in its current span of ``memory`` and the one before.
+
+    ``current`` holds the delays measured since ``since``; ``previous`` those of the span before.
+    """
+
+    current: timedelta = timedelta(0)
+    previous: timedelta = timedelta(0)
+    since: datetime | None = None
+
+
+def learnt_delay(kept: DelayMemory, now: datetime, span: timedelta) -> timedelta:
+    """Return the largest delay measured within the last ``span`` before ``now`` (or more, never less).
+
+    Every measurement made a ``span`` or more after ``since`` rolls the memory over
+    (``remember_delay``), so if none did, none was made since ``since + span``: ``current``
+    covers what the last span measured, and after two spans nothing was measured at all.
+    """
+    if kept.since is None:
+        return timedelta(0)
+    age = now - kept.since
+    if age < span:
+        return max(kept.current, kept.previous)
+    if age < 2 * span:
+        return kept.current
+    return timedelta(0)
+
+
+def remember_delay(kept: DelayMemory, now: datetime, span: timedelta, measured: timedelta) -> DelayMemory | None:
+    """Return the memory after a delay measured at ``now`` (None: nothing changes, nothing to write)."""
+    measured = max(measured, timedelta(0))
+    if kept.since is None or now - kept.since >= 2 * span:
+        return DelayMemory(measured, timedelta(0), now)
+    if now - kept.since >= span:
+        return DelayMemory(measured, kept.current, now)
+    if measured > kept.current:
+        return DelayMemory(measured, kept.previous, kept.since)
+    return None
+
+
+def arrival_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> timedelta:
+    """Return the guard a key's policies absorb: the configured guard on top of the measured delay,
+    at most the cap (and never less than the configured guard).
+
+    The measured delay ends when the request leaves the worker; what follows (the network, the
+    API reading the request) varies too and is not measured: the configured guard covers it.
+    """
+    return max(floor, min(cap, floor + learnt))
 
 
 def _floor_td(value: Fraction) -> timedelta:

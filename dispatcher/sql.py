@@ -224,6 +224,30 @@ def adjust_reserved(keys: int) -> str:
     )
 
 
+@functools.cache
+def remember_send_delay() -> str:
+    """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
+    memory span %(spans)s (dispatcher.policies.remember_delay): a span gone by rolls the memory
+    over, a larger delay raises it; other rows are not touched (nor locked)."""
+    current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
+    since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
+    rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
+    return f"""
+        WITH m AS (
+            SELECT k.key, k.span, {CLOCK} AS t FROM unnest(%(keys)s::text[], %(spans)s::interval[]) AS k(key, span)
+        )
+        UPDATE {table('KeyState')} AS s SET
+            {previous} = CASE
+                WHEN s.{since} IS NULL OR m.t >= s.{since} + 2 * m.span THEN 0
+                WHEN m.t >= s.{since} + m.span THEN s.{current}
+                ELSE s.{previous} END,
+            {current} = CASE WHEN {rolls} THEN %(us)s ELSE GREATEST(s.{current}, %(us)s) END,
+            {since} = CASE WHEN {rolls} THEN m.t ELSE s.{since} END
+        FROM m
+        WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
+    """
+
+
 # --- calls: send -------------------------------------------------------------------------------
 
 # The fields a new call is given by send(); the other columns take their model default below.

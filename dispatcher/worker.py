@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connections
 
+from dispatcher import arrivals, limiter
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
@@ -31,6 +32,9 @@ T = TypeVar("T")
 
 # Waits for a slot a call was claimed ahead of, before the start defers it.
 EARLY_TRIES = 3
+# How much before its slot a worker that came early tries again: half the time a start waits
+# for its slot holding the key locks (queries.HOLD_FOR_SLOT, 30 ms).
+EARLY_WAKE = 0.015
 # About 6 s of retries in all: long enough to ride out a failover or a killed connection.
 RECORD_TRIES = 6
 
@@ -75,7 +79,10 @@ def execute(call_id: int, dispatch_no: int) -> str:
         started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker, may_wait=ahead)
         if started.state != "early":
             break
-        time.sleep(started.wait.total_seconds())
+        # Wake a little before the slot: the next start then finds it within HOLD_FOR_SLOT and
+        # waits for it holding the key locks, so it lands on the slot rather than a sleep's
+        # overshoot and a start's round trips after it (measured: 8-76 ms, 20 ms typical).
+        time.sleep(max(started.wait.total_seconds() - EARLY_WAKE, 0.0))
     else:
         started = _record(CallQueue.objects.start, call_id, dispatch_no, worker=worker)
     if started.state != "started":
@@ -85,13 +92,35 @@ def execute(call_id: int, dispatch_no: int) -> str:
     assert call is not None and attempt is not None
     log.info("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
+    clock_read, noted = arrivals.begin()
     try:
         return _run(call, attempt, started.capped)
     finally:
+        _remember_delay(call.id, clock_read, noted)
         reported = take_reported()
         if reported is not None:
             deltas = _record(CallQueue.objects.correct_cost, call, reported)
             log.info("run_cost_corrected call=%s change=%s", call.id, deltas)
+
+
+def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
+    """Keep the measured start-to-send delay for the keys' arrival guard; never fails the call."""
+    delay = arrivals.sent_after(clock_read)
+    if delay is None:
+        return
+    overdue = arrivals.overdue(noted, delay)
+    spans = arrivals.to_write(clock_read, noted, delay)
+    if not spans and not overdue:
+        return
+    try:
+        if overdue:
+            limiter.push_buckets(overdue)
+            log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
+        if limiter.remember_send_delay(spans, delay):
+            log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
+    except (OperationalError, InterfaceError) as exc:
+        log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)
+        connections[CallQueue.objects.db].close()
 
 
 def _run(call: Any, attempt: Any, capped: bool) -> str:
@@ -114,6 +143,7 @@ def _call_handler(call: Any) -> Outcome:
     try:
         fn = get_handler(call.method).fn
         with running_call(call.keys, call.started_at):  # what an API's rate-limit signals apply to
+            arrivals.mark_invoked()
             result = fn(**call.params)
     except RateLimited as exc:
         return Outcome(AttemptOutcome.RATE_LIMITED, error=exc)

@@ -5,7 +5,7 @@ from typing import Any
 
 import httpx
 
-from dispatcher import PermanentError, RateLimited, handler, report_cost
+from dispatcher import PermanentError, RateLimited, arrivals, handler, report_cost
 
 
 def _check_greeting(params: dict[str, Any]) -> None:
@@ -66,7 +66,8 @@ _client = httpx.Client(timeout=10, trust_env=False)
 @handler("pooled_get")
 def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int]:
     """GET through one connection pool per process: what the http handler does with a pooled client."""
-    response = _client.get(url, headers=headers or {})
+    # The trace hook marks the moment the request's headers go out: the measured send.
+    response = _client.get(url, headers=headers or {}, extensions={"trace": arrivals.trace})
     if response.status_code == 429:
         raise RateLimited(float(response.headers.get("retry-after", "1")))
     return {"status": response.status_code}
