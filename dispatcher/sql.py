@@ -433,6 +433,17 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
         )"""
 
 
+def _start_assignments(started_at: str, attempts: str, calls: str, units: str, total: str) -> tuple[str, str]:
+    """The SET lists of a start: the call's (running since ``started_at``, one attempt more than
+    ``attempts``) and its keys' counters (``calls`` and ``units`` fewer reserved, the running ``total``)."""
+    k = functools.partial(column, "KeyState")
+    started = _assignments("CallQueue", {"status": "%(running)s", "started_at": started_at, "attempts": f"{attempts} + 1"})
+    counters = _assignments("KeyState", {
+        "reserved": f"{k('reserved')} - {calls}", "reserved_units": f"{k('reserved_units')} - {units}", "total": total,
+    })
+    return started, counters
+
+
 @functools.cache
 def mark_running_group() -> str:
     """Start the admitted calls of one message in one statement (``start_many``).
@@ -447,13 +458,7 @@ def mark_running_group() -> str:
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
     k = functools.partial(column, "KeyState")
-    started = _assignments("CallQueue", {
-        "status": "%(running)s", "started_at": "%(now)s", "attempts": f"{call}.{c('attempts')} + 1",
-    })
-    counters = _assignments("KeyState", {
-        "reserved": f"{k('reserved')} - g.calls", "reserved_units": f"{k('reserved_units')} - g.units",
-        "total": "g.total",
-    })
+    started, counters = _start_assignments("%(now)s", f"{call}.{c('attempts')}", "g.calls", "g.units", "g.total")
     return f"""
         WITH clock AS (
             SELECT %(now)s::timestamptz AS now
@@ -491,13 +496,7 @@ def mark_running() -> str:
     """
     c = functools.partial(column, "CallQueue")
     k = functools.partial(column, "KeyState")
-    started = _assignments("CallQueue", {
-        "status": "%(running)s", "started_at": "(SELECT now FROM clock)", "attempts": f"{c('attempts')} + 1",
-    })
-    counters = _assignments("KeyState", {
-        "reserved": f"{k('reserved')} - 1", "reserved_units": f"{k('reserved_units')} - log.units",
-        "total": "log.cum",
-    })
+    started, counters = _start_assignments("(SELECT now FROM clock)", c("attempts"), "1", "log.units", "log.cum")
     return f"""
         WITH clock AS (
             SELECT GREATEST(%(now)s::timestamptz, {CLOCK}) AS now
