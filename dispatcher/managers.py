@@ -977,6 +977,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     starts.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
                     starts.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
                 tables.KeyState.objects.using(self.db).filter(key=key).update(total=F("total") + delta)
+                later: list[tuple[datetime, int]] | None = None
                 for policy in policies.for_key(key):
                     if not isinstance(policy, limiter.TokenBucket):
                         continue
@@ -985,12 +986,25 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         # This bucket (new, or a new shape) never charged the start: nothing to
                         # give back, and an extra charge would count a start it did not see.
                         continue
-                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta)
+                    if delta < 0 and later is None:
+                        later = self._starts_after(key, call, start)
+                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta, later or ())
                     if tat is not None:
                         buckets.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
                 limiter.wake_dispensers(using=self.db)
         return deltas
+
+    def _starts_after(self, key: str, call: CallQueue, start: models.Model | None) -> list[tuple[datetime, int]]:
+        """Return (time, units) of the key's starts after ``call``'s, in order, for a bucket's refund.
+
+        Starts at the same instant are included whatever their order: they can only make the
+        refund smaller, never give back units a later start still holds.
+        """
+        later = tables.KeyStart.objects.using(self.db).filter(key=key, started_at__gte=call.started_at)
+        if start is not None:
+            later = later.exclude(id=start.pk)
+        return list(later.order_by("started_at", "id").values_list("started_at", "units"))
 
     # --- rescue --------------------------------------------------------------------------
 

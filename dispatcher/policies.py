@@ -239,13 +239,34 @@ class TokenBucket(Policy):
         # Rounded up: the bucket refills at most as fast as the policy says.
         return base + _ceil_us(cost * self.interval)
 
-    def refund(self, tat: datetime | None, now: datetime, units: int) -> datetime | None:
-        """Return the bucket state after ``units`` are given back (negative: charged more)."""
+    def refund(
+        self, tat: datetime | None, now: datetime, units: int, later: Sequence[tuple[datetime, int]] = ()
+    ) -> datetime | None:
+        """Return the bucket state after ``units`` of one start are given back (negative: charged more).
+
+        ``later``: the (time, units) of every start charged after the refunded one, in order
+        (starts at the same instant may be included: they only make the refund smaller). GCRA's
+        state after starts s_1..s_n is max(tat_0 + T * sum(c), max_k(t_k + T * sum(c_k..c_n))),
+        so without start j it is max(tat - c_j * T, the state the starts after j make alone):
+        the part of c_j that had already refilled before a later start is not given back twice.
+        """
         if tat is None:
             return None if units >= 0 else now + _ceil_us(-units * self.interval)
-        if units >= 0:
-            return tat - _floor_td(units * self.interval)
-        return max(tat, now) + _ceil_us(-units * self.interval)
+        if units < 0:
+            return max(tat, now) + _ceil_us(-units * self.interval)
+        back = tat - _floor_td(units * self.interval)
+        alone = self.replay(later)
+        if alone is not None:
+            back = max(back, alone)
+        # Never more than it was: a start the bucket did not charge gives nothing back.
+        return min(tat, back)
+
+    def replay(self, starts: Sequence[tuple[datetime, int]]) -> datetime | None:
+        """Return the state an empty bucket reaches after ``starts`` ((time, units) in order)."""
+        tat: datetime | None = None
+        for at, units in starts:
+            tat = self.charge(Reading(tat=tat), at, units)
+        return tat
 
     @overload
     def rebase(self, tat: datetime, now: datetime, new: TokenBucket) -> datetime: ...

@@ -288,3 +288,87 @@ def test_the_limiter_holds_its_invariants_under_random_operations(clock) -> None
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
+
+
+# --- counterexamples the search found, replayed step by step ---------------------------------------
+# A replay calls the rules itself: the bucket and window checks run inside ``deliver``, the
+# invariants at the end.
+
+
+def check_invariants(state: RuleBasedStateMachine) -> None:
+    state.every_call_is_accounted_for()
+    state.key_state_counters_equal_the_truth()
+    state.attempts_are_honest()
+    state.no_window_holds_more_starts_than_the_log_allows()
+
+
+@pytest.mark.django_db
+def test_a_refund_of_a_start_at_the_instant_a_bucket_began_gives_back_nothing_it_did_not_charge(clock) -> None:
+    """Call 12 starts on 'a' before any bucket; at the same instant call 13 starts under the new
+    buckets and creates them (their ``since`` is that instant). Refunding call 12 must leave the
+    buckets as call 13 left them: a refund older than ``since`` by position, not by time, was
+    once given back and let 2 more units start 1001ms later under "4 per 5s, burst 2"."""
+    state = make_machine(clock)()
+    state.some_policies()
+    state.cancel(index=0)
+    state.rescue()
+    state.rush(cost=2, which=3)
+    state.send(cost=None, n=3, priority=1, which=4)
+    state.rush(cost=None, which=4)
+    state.dispense(batch=2)
+    state.finish(index=33, outcome="error")
+    state.finish(index=0, outcome="error")
+    state.delete_policy(key="a")
+    state.finish(index=0, outcome="permanent")
+    state.rush(cost=2, which=2)
+    state.set_policy(burst=None, concurrency=1, key="p:*", limit=3, period=2)
+    state.set_policy(burst=2, concurrency=3, key="a", limit=4, period=5)
+    state.set_policy(burst=4, concurrency=None, key="b", limit=4, period=1)
+    state.delete_policy(key="b")
+    state.set_policy(burst=4, concurrency=None, key="a", limit=1, period=2)
+    state.send(cost=2, n=1, priority=0, which=4)
+    state.send(cost=2, n=3, priority=1, which=4)
+    state.rush(cost=2, which=2)
+    state.resume(key="b")
+    state.finish(index=2, outcome="done-refund")
+    state.send(cost=1, n=2, priority=1, which=4)
+    state.cancel(index=36)
+    state.tick(ms=1001)
+    state.rescue()
+    state.cancel(index=29)
+    state.resume(key="a")
+    state.dispense(batch=4)
+    state.send(cost=2, n=1, priority=0, which=3)
+    state.rescue()
+    state.rescue()
+    # The search delivered one message here: the call the wrong refund let through.
+    while state.messages:
+        state.deliver(duplicate=False, index=47)
+    check_invariants(state)
+
+
+@pytest.mark.django_db
+def test_a_refund_gives_back_only_what_the_bucket_still_holds_of_the_start(clock) -> None:
+    """2 per 2s, burst 2: 2 units at 0, 1 unit at 1.5s (half a unit of the first still owed, so
+    one fits), then the first call is refunded to 0. Without it the bucket would hold the 1.5s
+    start alone; moving the state back by the whole 2 units also gave back the 1.5 units that had
+    already refilled, and 2 more units fitted at 1.5s: 3 in one instant under burst 2."""
+    state = make_machine(clock)()
+    state.some_policies()
+    state.set_policy(key="a", limit=2, period=2, concurrency=None, burst=2)
+    state.send(which=0, n=1, priority=0, cost=2)
+    state.dispense(batch=1)
+    state.deliver(index=0, duplicate=False)
+    state.tick(ms=1000)
+    state.tick(ms=400)
+    state.tick(ms=100)
+    state.send(which=0, n=1, priority=0, cost=1)
+    state.dispense(batch=1)
+    state.deliver(index=0, duplicate=False)
+    assert len(state.starts["a"]) == 2
+    state.finish(index=0, outcome="done-refund")
+    state.send(which=0, n=1, priority=0, cost=2)
+    state.dispense(batch=1)
+    while state.messages:
+        state.deliver(index=0, duplicate=False)
+    check_invariants(state)

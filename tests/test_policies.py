@@ -218,6 +218,32 @@ def _us(value: timedelta) -> int:
     return value // US
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    limit=st.integers(1, 10), per_unit_us=st.integers(1, 300_000), burst=st.integers(1, 6),
+    starts=st.lists(st.tuples(st.integers(0, 600_000), st.integers(0, 4)), min_size=1, max_size=12),
+    which=st.integers(0, 11), wait=st.integers(0, 600_000),
+)
+def test_a_refund_of_any_start_leaves_the_bucket_as_if_the_start_had_cost_nothing(
+    limit, per_unit_us, burst, starts, which, wait
+):
+    # GCRA's state is a max over suffixes of the starts; taking one start's units out of it is
+    # exact only if the units of it that had refilled before a later start are not given back twice.
+    policy = TokenBucket("k", limit, timedelta(microseconds=per_unit_us * limit), burst=burst)
+    timed, t = [], 0
+    for gap, units in starts:
+        t += gap
+        timed.append((at(t), units))
+    j = which % len(timed)
+    now = at(t + wait)
+    refunded = policy.refund(policy.replay(timed), now, timed[j][1], later=timed[j + 1:])
+    without = policy.replay(timed[:j] + timed[j + 1:])
+    assert policy.tokens(Reading(tat=refunded), now) == policy.tokens(Reading(tat=without), now)
+    # A start the bucket never charged (it began after it) gives nothing back.
+    after = policy.replay(timed[j + 1:])
+    assert policy.refund(after, now, timed[j][1], later=timed[j + 1:]) == after
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     limit=st.integers(1, 10), period_ms=st.integers(5, 2000), burst=st.integers(1, 12),
