@@ -358,10 +358,18 @@ class Verdict:
     reason: str = ""
     key: str = ""
     kind: Hold | None = None
+    # The most units one call may cost and start now with nothing else promised, where more
+    # than ``room`` (a bucket full for a while admits one call beyond its depth: TokenBucket.alone).
+    alone: int | None = None
 
     @property
     def blocked(self) -> bool:
         return self.room <= 0
+
+    @property
+    def largest(self) -> int:
+        """The most units one call may cost and start now (``room`` unless ``alone`` says more)."""
+        return self.room if self.alone is None else max(self.room, self.alone)
 
 
 def combine(verdicts: Sequence[Verdict]) -> Verdict:
@@ -370,7 +378,8 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
         return Verdict(room=UNLIMITED)
     tightest = min(verdicts, key=lambda v: v.room)
     if tightest.room > 0:
-        return tightest
+        largest = min(v.largest for v in verdicts)
+        return tightest if largest == tightest.largest else dataclasses.replace(tightest, alone=largest)
     blocked = [v for v in verdicts if v.room <= 0]
     known = [(v.until, v) for v in blocked if v.until is not None]
     if len(known) < len(blocked):
@@ -546,8 +555,13 @@ def check_key(
         readings = read_policies({key: governing}, {key: state}, now, using)[key]
     for policy, reading in zip(governing, readings, strict=True):
         room = policy.room(reading, now, reserved_units)
+        alone = policy.alone(reading, now, reserved_units)
         if room >= cost:
-            verdicts.append(Verdict(room=room, key=key))
+            verdicts.append(Verdict(room=room, key=key, alone=alone if alone > room else None))
+            continue
+        if alone >= cost:
+            # A call beyond the bucket's depth, alone on a bucket full long enough.
+            verdicts.append(Verdict(room=cost, key=key, alone=alone))
             continue
         until = policy.frees_at(reading, now, cost, reserved_units)
         learnt = any(policy is p for p in policies.learnt.get(key, ()))

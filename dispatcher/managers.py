@@ -15,7 +15,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, models, transaction
 from django.db.models import F, Q
 
-from dispatcher import limiter, sql, tables
+from dispatcher import arrivals, limiter, sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
@@ -416,6 +416,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             at = now + dispatcher_settings.DISPATCH_AHEAD
             by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False, using=self.db)
             room = {key: verdict.room for key, verdict in by_key.items()}
+            # A key's first call of the pass may cost more than its room when its bucket admits
+            # one call beyond its depth (TokenBucket.alone): nothing else is promised then.
+            alone = {key: verdict.largest for key, verdict in by_key.items()}
             active = []
             for text, keys in parsed.items():
                 verdict = limiter.combine([by_key[key] for key in keys])
@@ -449,7 +452,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     if problem:
                         self._fail_unreadable(self.filter(id=row.id), problem)
                         continue
-                    if row.key_set in walled or any(row.units(key) > room[key] for key in keys):
+                    if row.key_set in walled or any(
+                        row.units(key) > room[key] and (key in reserved or row.units(key) > alone[key]) for key in keys
+                    ):
                         walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
                         returned.append(row.id)
                         continue
@@ -602,6 +607,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                     # which no other start of these keys could use before then anyway, so the
                     # start lands on its slot rather than a worker's round trip after it.
                     time.sleep((verdict.until - now).total_seconds())
+                    # The start's clock is read again: its worker measures the send against this
+                    # reading (the wait for the slot is not a start-to-send delay).
+                    arrivals.mark_clock()
                     now = db_now(self.db)
                     assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, using=self.db)
                     verdict = limiter.combine(list(assessment.verdicts.values()))

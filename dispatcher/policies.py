@@ -75,6 +75,11 @@ class Policy:
         """Return how many units may start at ``now``, ``reserved`` units being promised already."""
         raise NotImplementedError
 
+    def alone(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
+        """Return the most units one call may cost and start at ``now`` (``room`` unless a bucket
+        admits a single call beyond it)."""
+        return self.room(reading, now, reserved)
+
     def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
         """Return when ``need`` more units fit (None: not known from the reading)."""
         raise NotImplementedError
@@ -110,7 +115,7 @@ class Policy:
         return type(self)(**{**self.__dict__, "guard": guard})
 
     def with_learnt_guard(self, guard: timedelta) -> Policy:
-        """Return the policy under a guard learnt at run time, never holding less than it does now."""
+        """Return the policy under a guard learnt at run time (a bucket may hold less, see ``alone``)."""
         return self.with_guard(guard)
 
     @property
@@ -171,16 +176,29 @@ class TokenBucket(Policy):
 
     shape: ClassVar[str] = "bucket"
     burst: int = 1
-    # At most this many tokens of the burst go to the guard (None: as many as it takes); the
-    # rest of the guard slows the rate. A learnt guard keeps the reserve of the configured one,
-    # so a call whose cost send() accepted always fits again.
-    reserve_cap: int | None = field(default=None, compare=False)
 
     # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
     # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
     # (n - B) T, what the API's bucket asks, once k T + (1 + k) e >= g. Whole intervals of the
     # guard come out of the burst (k, no cost in sustained rate); the rest slows the rate (e),
     # unless that would cost more than GUARD_RATE_SHARE of it and one more token can be held back.
+    #
+    # A call larger than the depth (B - k) still fits, alone (``alone``): the proof above needs
+    # less than the depth. Write T' = T + e, I_j = c_j T' and X = B T + (B + 1) e - g. Admit
+    # start j when tat_{j-1} + I_j - s_j <= X, tat *not* clamped to s_j (tat_{j-1} the state
+    # after every earlier start, -inf for a bucket never charged; the update stays
+    # tat_j = max(tat_{j-1}, s_j) + I_j). As tat_{j-1} = max_{i<j} (s_i + I_i + ... + I_{j-1}),
+    # every run i < j of consecutive starts then has sum_{i..j} c_m T' <= s_j - s_i + X.
+    # At the API, take the calls S arriving within [a, a + L] in total C > B units: C > B >= any
+    # c, so S has two starts or more; its first start i and last start j lie within [a - g, a + L],
+    # so C T' <= L + g + X, i.e. L >= C T' - X - g = (C - B) T + (C - B - 1) e >= (C - B) T:
+    # what the API's bucket (B, T) asks of arrivals, for any costs and any order of delays.
+    # The clamped rule of ``room`` is the same rule with X' = (B - k) T' <= X (that is k T +
+    # (1 + k) e >= g again), so the two mix freely. Unclamped, a call of c <= B units waits at
+    # most c T' - X <= g - e after the bucket is full: a learnt guard takes whole intervals
+    # out of the burst (no rate lost while the burst holds it), and a call send() accepted under
+    # the configured guard (c <= B - k_0 <= B) still starts, at the latest g after the bucket is
+    # full again (when nothing else started meanwhile: ``frees_at`` says when).
 
     GUARD_RATE_SHARE: ClassVar[Fraction] = Fraction(1, 20)
 
@@ -193,7 +211,7 @@ class TokenBucket(Policy):
         k = min(self.burst - 1, math.floor(g / t))
         if k + 1 <= self.burst - 1 and self._extra(k) > self.GUARD_RATE_SHARE * t:
             k += 1
-        return k if self.reserve_cap is None else min(k, self.reserve_cap)
+        return k
 
     def _extra(self, k: int) -> Fraction:
         return max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
@@ -206,6 +224,13 @@ class TokenBucket(Policy):
     def interval(self) -> Fraction:
         """Microseconds per unit as applied: the API's interval, lengthened by what the burst does not absorb."""
         return self._interval_exact + self._extra(self.reserve)
+
+    @property
+    def tolerance(self) -> Fraction:
+        """Microseconds: the most ``tat + cost * interval`` may lie beyond a start's time (X above)."""
+        return (
+            self.burst * self._interval_exact + (self.burst + 1) * self._extra(self.reserve) - _us(self.guard)
+        )
 
     @property
     def depth(self) -> int:
@@ -227,12 +252,29 @@ class TokenBucket(Policy):
     def room(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
         return math.floor(self.tokens(reading, now)) - reserved
 
+    def alone(self, reading: Reading, now: datetime, reserved: int = 0) -> int:
+        """Return the most units one call may cost and start at ``now``, ``reserved`` units being
+        promised already: ``room``, or more on a bucket full for a while when nothing is promised
+        (the unclamped rule: tat + cost * interval - now <= tolerance, at most the API's burst)."""
+        room = self.room(reading, now, reserved)
+        if reserved > 0:
+            return room
+        if reading.tat is None:
+            return max(room, self.burst)
+        fits = math.floor((self.tolerance - _us(reading.tat - now)) / self.interval)
+        return max(room, min(self.burst, fits))
+
     def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
-        if self.room(reading, now, reserved) >= need:
+        if self.alone(reading, now, reserved) >= need:
             return now
         base = max(reading.tat, now) if reading.tat is not None else now
         # The bucket holds ``need + reserved`` tokens once tat - t <= (depth - need - reserved) * interval.
-        return max(now, base - _floor_td((self.depth - need - reserved) * self.interval))
+        when = max(now, base - _floor_td((self.depth - need - reserved) * self.interval))
+        if reserved == 0 and need <= self.burst and reading.tat is not None:
+            # Alone, the call fits once tat + need * interval - t <= tolerance (sooner for a call
+            # above the depth, which the clamped rule never admits).
+            when = min(when, max(now, reading.tat + _ceil_us(need * self.interval - self.tolerance)))
+        return when
 
     def charge(self, reading: Reading, now: datetime, cost: int) -> datetime:
         base = max(reading.tat, now) if reading.tat is not None else now
@@ -291,9 +333,6 @@ class TokenBucket(Policy):
 
     def label(self) -> str:
         return f"{super().label()}, burst {self.burst}"
-
-    def with_learnt_guard(self, guard: timedelta) -> TokenBucket:
-        return type(self)(**{**self.__dict__, "guard": guard, "reserve_cap": self.reserve})
 
     @property
     def horizon(self) -> timedelta:

@@ -23,8 +23,8 @@ SHAPES: dict[str, tuple[Callable[[], Any], dict[str, Any], int, tuple[int, int] 
     # A token bucket with a burst (Shopify-like, scaled): 5 per second, 10 deep.
     "bucket": (lambda: Bucket(5.0, 10), {"limit": 5, "period": timedelta(seconds=1), "burst": 10}, 40, None),
     # nginx limit_req rate=2r/s without burst: any request closer than 500 ms is refused. (At 5r/s
-    # a guard of 20 ms alone leaves 200/220 = 91%, and the 30-60 ms learnt on a loaded machine
-    # 80-87%: a smooth rate pays the whole guard on every request, see docs/policies.md.)
+    # a guard of 20 ms alone leaves 200/220 = 91%, and with a learnt delay of a few ms more less:
+    # a smooth rate pays the whole guard on every request, see docs/policies.md.)
     "smooth": (lambda: Smooth(0.5), {"limit": 2, "period": timedelta(seconds=1), "burst": 1}, 20, None),
     # A unit budget fed by the cost each request carries: 30 units per 2 s.
     "units": (lambda: Window(30, 2.0), {"limit": 30, "period": timedelta(seconds=2)}, 40, (1, 3)),

@@ -23,14 +23,12 @@ def test_the_http_handler_keeps_every_shape_at_the_api_at_default_settings(procs
 
 
 def check(figures: dict[str, dict[str, float]]) -> None:
-    """No partner answered 429 and every key used 90% of its allowance; a smooth rate below 90% is
-    the known gap (it pays the whole guard on every request: 500 / (500 + 20 + the learnt delay,
-    30-60 ms on a loaded 2-core machine), see docs/policies.md), reported as an expected failure."""
+    """No partner answered 429 and every key used 90% of its allowance (a smooth rate pays the whole
+    guard on every request, 500 / (500 + 20 + the learnt delay): 94.0-94.7% in 12 runs on an idle
+    machine since a start's wait for its slot stopped counting as send delay, see docs/policies.md)."""
     assert {name: f["refused"] for name, f in figures.items()} == dict.fromkeys(SHAPES, 0), figures
-    used = {name: f["used"] >= 0.9 for name, f in figures.items() if name != "smooth"}
-    assert used == dict.fromkeys(used, True), figures
-    if figures["smooth"]["used"] < 0.9:
-        pytest.xfail(f"smooth rate 2/s used {figures['smooth']['used']:.1%} of its allowance (< 90%)")
+    used = {name: f["used"] >= 0.9 for name, f in figures.items()}
+    assert used == dict.fromkeys(SHAPES, True), figures
 
 
 @pytest.mark.postgres

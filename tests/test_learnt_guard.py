@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 from dispatcher.policies import (
     MEMORY_MAX,
     MEMORY_MIN,
+    US,
     DelayMemory,
+    Reading,
     SlidingWindow,
     TokenBucket,
     arrival_guard,
@@ -83,14 +86,96 @@ def test_the_guard_is_the_configured_one_on_top_of_the_learnt_delay_up_to_the_ca
     assert arrival_guard(300 * MS, cap, 40 * MS) == 300 * MS  # a configured guard above the cap wins
 
 
-def test_a_learnt_guard_never_shrinks_what_a_bucket_holds():
-    """A call send() accepted under the configured guard still fits under a larger learnt one."""
-    bucket = TokenBucket("k", 5, timedelta(seconds=1), burst=10).with_guard(20 * MS)
-    learnt = bucket.with_learnt_guard(250 * MS)
-    assert learnt.capacity() == bucket.capacity()
-    # The rest of the guard slows the rate instead: k * interval + (1 + k) * extra >= guard.
-    k, extra = learnt.reserve, learnt.interval - learnt._interval_exact
-    assert k * learnt._interval_exact + (1 + k) * extra >= 250_000
+def test_a_learnt_guard_comes_out_of_the_burst_and_a_call_send_accepted_still_fits():
+    """A learnt guard the burst can hold costs no rate; a call above the depth it leaves, which
+    send() accepted under the configured guard, fits alone once the bucket has been full a while."""
+    bucket = TokenBucket("k", 50, timedelta(seconds=1), burst=50).with_guard(20 * MS)
+    learnt = bucket.with_learnt_guard(60 * MS)
+    assert (bucket.depth, bucket.interval) == (49, 20_000)
+    assert (learnt.depth, learnt.interval) == (47, 20_000)  # three tokens, no rate (was 49 at 40 ms)
+    full = Reading(tat=T0)
+    assert learnt.room(full, T0) == 47 and learnt.alone(full, T0) == 47
+    # 49 units: 49 * 20 ms - (1 s - 60 ms) = 40 ms after the bucket is full.
+    assert learnt.frees_at(full, T0, 49) == T0 + 40 * MS
+    assert learnt.alone(full, T0 + 40 * MS) == 49 and learnt.alone(full, T0 + 40 * MS - US) == 48
+    assert learnt.alone(Reading(), T0) == 50  # a bucket never charged
+    # Something promised (a dispatched call not started yet): the clamped rule only.
+    assert learnt.alone(full, T0 + 40 * MS, reserved=1) == 46
+    # A guard the burst cannot hold slows the rate: k * interval + (1 + k) * extra >= guard.
+    small = TokenBucket("k", 5, timedelta(seconds=1), burst=10).with_guard(20 * MS).with_learnt_guard(2500 * MS)
+    k, extra = small.reserve, small.interval - small._interval_exact
+    assert k == 9 and k * small._interval_exact + (1 + k) * extra >= 2_500_000
+
+
+def _api_admits_every_arrival(arrivals: list[tuple[int, int]], burst: int, interval: Fraction) -> bool:
+    """The API's bucket (burst, interval) on arrivals (time in us, units): never fewer tokens than asked."""
+    tokens, last = Fraction(burst), None
+    for t, units in sorted(arrivals):
+        if last is not None:
+            tokens = min(Fraction(burst), tokens + (t - last) / interval)
+        last = t
+        if tokens < units:
+            return False
+        tokens -= units
+    return True
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    limit=st.integers(1, 60), period_ms=st.integers(5, 2000), burst=st.integers(1, 60),
+    floor_ms=st.integers(0, 40), learnt_ms=st.integers(0, 400),
+    calls=st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from([0, 0, 0, 1, 1000, 20_000, 300_000]), st.integers(0, 100)),
+        min_size=1, max_size=60,
+    ),
+)
+def test_a_greedy_client_under_a_learnt_guard_keeps_the_apis_bucket_and_every_accepted_cost_starts(
+    limit, period_ms, burst, floor_ms, learnt_ms, calls
+):
+    """Costs send() accepts (under the configured guard), started as soon as the policy admits
+    them (room, alone, frees_at, charge), each arriving 0 to g after its start, g the learnt guard:
+    the API's bucket admits every arrival, and each call starts at most g after the bucket is full."""
+    period = timedelta(milliseconds=period_ms)
+    configured = TokenBucket("k", limit, period, burst=burst).with_guard(floor_ms * MS)
+    guard = floor_ms * MS + learnt_ms * MS
+    policy = configured.with_learnt_guard(guard)
+    g = guard // US
+    tat: datetime | None = None
+    now = T0
+    arrivals = []
+    for seed, idle, share in calls:
+        cost = 1 + seed % configured.capacity()
+        now += idle * US
+        reading = Reading(tat=tat)
+        if policy.alone(reading, now) < cost:
+            until = policy.frees_at(reading, now, cost)
+            assert until is not None and until > now
+            # Eventually, and soon: at most g after the bucket is full (nothing else started).
+            assert until <= max(tat or now, now) + guard
+            assert policy.alone(reading, until) >= cost
+            assert policy.alone(reading, until - US) < cost
+            now = until
+        tat = policy.charge(reading, now, cost)
+        arrivals.append(((now - T0) // US + g * share // 100, cost))
+    assert _api_admits_every_arrival(arrivals, burst, Fraction(period_ms * 1000, limit))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    limit=st.integers(1, 20), period_ms=st.integers(5, 2000), burst=st.integers(2, 20),
+    guard_ms=st.integers(0, 300), costs=st.lists(st.integers(1, 20), min_size=2, max_size=12),
+)
+def test_the_clamped_rule_and_the_alone_rule_agree_below_the_depth(limit, period_ms, burst, guard_ms, costs):
+    """``alone`` never says less than ``room``, and says more only with nothing promised."""
+    policy = TokenBucket("k", limit, timedelta(milliseconds=period_ms), burst=burst, guard=guard_ms * MS)
+    tat = None
+    for i, cost in enumerate(costs):
+        now = T0 + i * 7 * MS
+        reading = Reading(tat=tat)
+        assert policy.alone(reading, now) >= policy.room(reading, now)
+        assert policy.alone(reading, now, reserved=1) == policy.room(reading, now, reserved=1)
+        assert policy.tolerance >= policy.depth * policy.interval
+        tat = policy.charge(reading, now, min(cost, policy.burst))
 
 
 def test_a_worker_writes_only_a_delay_that_changes_what_its_start_read():
@@ -124,3 +209,26 @@ def test_a_late_send_moves_the_keys_buckets_on_by_how_late_it_was():
         "shop": 1_012_000, "other": 1_000_000,
     }
     assert KeyBucket.objects.get(key="shop", period=minute).tat_us == 1_000_000
+
+
+@pytest.mark.django_db
+def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_wait(monkeypatch):
+    """The wait for a slot (holding the key locks) is no start-to-send delay: the worker measures
+    the send from the clock read after it, which the start is judged and recorded on (or later)."""
+    from dispatcher import arrivals, managers
+    from dispatcher.models import CallQueue, RateLimit
+    from tests.test_lifecycle import claim_all
+
+    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    calls = [CallQueue.objects.send("noop", {}, keys=["api"]) for _ in range(2)]
+    first, second = sorted(claim_all(calls[0].key_set, 2).calls, key=lambda c: c.id)
+    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    assert CallQueue.objects.start(first.id, first.dispatch_no, "w").state == "started"
+    events: list[str] = []
+    real_mark = arrivals.mark_clock
+    monkeypatch.setattr(arrivals, "mark_clock", lambda: (events.append("mark"), real_mark())[1])
+    monkeypatch.setattr(managers.time, "sleep", lambda seconds: events.append("wait"))
+    monkeypatch.setattr(managers, "HOLD_FOR_SLOT", timedelta(minutes=2))
+    started = CallQueue.objects.start(second.id, second.dispatch_no, "w", may_wait=timedelta(minutes=2))
+    assert started.state == "early"  # the wait was skipped here: the slot is still a minute away
+    assert events == ["mark", "wait", "mark"]

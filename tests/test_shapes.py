@@ -8,7 +8,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from dispatcher import CostNeverFits, InvalidCost
+from dispatcher import CostNeverFits, InvalidCost, limiter
 from dispatcher.limiter import Policies
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.status import key_statuses
@@ -84,6 +84,35 @@ def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
     assert bucket.period == timedelta(minutes=1)
     (status,) = key_statuses(["greeter"])
     assert (status.policies[0].used, status.policies[0].policy.capacity()) == (3, 3)
+
+
+def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_started_alone(settings):
+    """A learnt guard of 2.5 s takes 3 tokens of a 10-deep bucket (one per second): depth 7, no
+    rate lost. A call of 10 units, which send() accepted, still starts, alone, on a full bucket."""
+    from dispatcher.clock import db_now
+
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    settings.DISPATCHER_ARRIVAL_GUARD_MAX = "5s"
+    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=10), burst=10)
+    KeyState.objects.update_or_create(key="greeter", defaults={"send_delay_us": 2_500_000, "send_delay_since": db_now()})
+    big = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 10})
+    small = CallQueue.objects.send("greet", {"name": "ada"})
+    claimed = claim_all(big.key_set)
+    # Alone: the small call waits behind it (nothing else is claimed with a call beyond the depth).
+    assert [c.id for c in claimed.calls] == [big.id]
+    assert CallQueue.objects.get(pk=small.pk).status == "pending"
+    assert run_all(claimed.calls) == ["done"]
+    (bucket,) = KeyBucket.objects.filter(key="greeter")
+    started = CallQueue.objects.get(pk=big.pk).started_at
+    assert bucket.tat_us - limiter.to_us(started) == 10_000_000
+    # On a bucket full for 1 s, 10 units fit 2.5 s after it was full (10 s - (10 s - 2.5 s)); a
+    # call within the depth (7) fits as soon as the bucket has 7 tokens.
+    KeyBucket.objects.filter(key="greeter").update(tat_us=limiter.to_us(db_now() - timedelta(seconds=1)))
+    tat = limiter.from_us(KeyBucket.objects.get(key="greeter").tat_us)
+    CallQueue.objects.filter(pk=small.pk).update(cost={"greeter": 10})
+    again = claim_all(small.key_set)
+    assert again.calls == [] and again.verdict.blocked
+    assert again.verdict.until == tat + timedelta(seconds=2.5)
 
 
 def test_a_pattern_bucket_gives_every_key_its_own_bucket(settings):
