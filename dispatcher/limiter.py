@@ -9,6 +9,7 @@ index probes) and a bucket's one timestamp per key and policy.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -803,17 +804,24 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
     """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
 
     On PostgreSQL one statement (``sql.remember_send_delay``) that writes only rows whose memory
-    changes (a new largest delay, or a span gone by: at most a few per key and second), so it
-    waits on no key lock otherwise.
+    changes (a new largest delay, or a span gone by: at most a few per key and second); a worker
+    calls it only when its start's reading says the memory changes. Several keys are locked
+    first, in key order as every locker does: an UPDATE locks the rows it writes in the order it
+    finds them (their place in the table), and a start holding one of them while waiting for the
+    other would deadlock with it (the soak test met one a second).
     """
     if not spans:
         return 0
     db = alias(using)
     if sql.postgresql_path(db):
         us = delay // timedelta(microseconds=1)
-        with connections[db].cursor() as cursor:
-            cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
-            return cursor.rowcount
+        several = len(spans) > 1
+        with transaction.atomic(using=db) if several else contextlib.nullcontext():
+            if several:
+                lock_keys(list(spans), using=db)
+            with connections[db].cursor() as cursor:
+                cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+                return cursor.rowcount
     written = 0
     states = tables.KeyState.objects.using(db)
     with transaction.atomic(using=db):

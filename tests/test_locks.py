@@ -166,3 +166,19 @@ def test_start_waits_for_its_call_row_and_finds_it_taken_back_by_then(make_call)
     assert started.state == "stale"
     stored = CallQueue.objects.get(id=call.id)
     assert stored.status == CallQueue.Status.PENDING and stored.attempts == 0 and not stored.attempt_set.exists()
+
+
+def test_a_send_delay_write_of_several_keys_takes_them_in_key_order():
+    # Rows placed in the table against key order ("b" before "a"): an UPDATE finds them that way.
+    limiter.lock_keys(["order:b"])
+    limiter.lock_keys(["order:a"])
+    spans = {"order:a": timedelta(seconds=1), "order:b": timedelta(seconds=1)}
+    # A start of both keys holds "order:a" and will ask for "order:b" next.
+    with held_elsewhere(lambda: limiter.lock_keys(["order:a"])):
+        write = InThread(lambda: limiter.remember_send_delay(spans, timedelta(milliseconds=7)))
+        assert wait_until(write.waits_for_a_lock, BOUND)
+        # The write waits for "a" holding nothing, so the start gets "b" (else: a deadlock).
+        with transaction.atomic():
+            assert [s.key for s in KeyState.objects.select_for_update(nowait=True).filter(key="order:b")] == ["order:b"]
+    assert write.join() == 2
+    assert set(KeyState.objects.filter(key__startswith="order:").values_list("send_delay_us", flat=True)) == {7000}
