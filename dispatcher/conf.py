@@ -125,6 +125,10 @@ class DispatcherSettings:
         "Settings/env names http headers may reference as {'secret': NAME}; NAME[:Header]@host[:port] binds one to hosts.",
     )
     HTTP_TIMEOUT = Setting(30.0, _as_float, "Default timeout of the http handler, in seconds.")
+    HTTP_MAX_CONNECTIONS = Setting(
+        100, _as_int,
+        "Connections the http handler's client of a worker process opens and keeps alive at most (read when it is created).",
+    )
     HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores (and about all it reads).")
     HTTP_ALLOW_INTERNAL_NAMES = Setting(
         False, _as_bool,

@@ -6,8 +6,11 @@ gevent has patched ``threading``), and one client per greenlet would defeat keep
 gevent runs every task in a new greenlet. It is dropped in a forked child and closed when the
 worker shuts down (``close_client``, connected to Celery's shutdown signals in ``apps.py``).
 
-The pool holds no ``DISPATCHER_HTTP_*`` value: the allow-list, the secrets, the timeout and the
-body limit are read at every call, and the address check at every new connection.
+The pool holds one ``DISPATCHER_HTTP_*`` value, its size (``DISPATCHER_HTTP_MAX_CONNECTIONS``,
+kept alive as well as opened, so a worker of 32 threads keeps its 32 connections rather than
+reconnecting 12 of them at every call, as httpx's default of 20 kept-alive ones would): the
+allow-list, the secrets, the timeout and the body limit are read at every call, and the address
+check at every new connection.
 """
 from __future__ import annotations
 
@@ -137,7 +140,11 @@ class _GuardedBackend(httpcore.NetworkBackend):
 def _new_client() -> httpx.Client:
     # TCP_NODELAY: a request's headers and body are two writes; Nagle's algorithm would hold
     # the body back for the server's delayed ACK.
-    transport = httpx.HTTPTransport(retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    size = max(dispatcher_settings.HTTP_MAX_CONNECTIONS, 1)
+    transport = httpx.HTTPTransport(
+        retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+        limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),
+    )
     # httpx takes no network backend; its pool does. Pinned httpx, and tests cover the check.
     transport._pool._network_backend = _GuardedBackend()
     client = httpx.Client(transport=transport, follow_redirects=False, trust_env=False)

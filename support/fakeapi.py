@@ -159,7 +159,10 @@ class FakeAPI:
 
             do_POST = do_GET
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # A real API's listen backlog, not socketserver's 5: with 5, a burst of new connections
+        # overflows it and the kernel retries the dropped ones a second later.
+        server_class = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128})
+        self.server = server_class(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
