@@ -882,7 +882,13 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             return bool(cursor.fetchone()[0])
 
     def finish_done(self, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True) -> bool:
-        """Record a successful attempt and its result; ``wake=False`` when no key has a concurrency cap."""
+        """Record a successful attempt and its result; ``wake=False`` when no key has a concurrency cap.
+
+        On PostgreSQL one statement on the database's clock (``finish_done_many``'s), with no
+        clock read before it.
+        """
+        if sql.postgresql_path(self.db):
+            return self.finish_done_many([(call, attempt, result, wake)]) == 1
         return self._finish(
             call, attempt, Outcome.DONE, "", wake=wake, status=Status.DONE, result=result, finished_at=lambda now: now, last_error=""
         )
@@ -894,7 +900,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         not won (and logged), as there.
         """
         db = connections[self.db]
-        if not sql.postgresql_path(self.db) or len(done) < 2:
+        if not sql.postgresql_path(self.db):
             return sum(self.finish_done(call, attempt, result, wake=wake) for call, attempt, result, wake in done)
         result_field = self.model._meta.get_field("result")
         params: dict[str, Any] = {

@@ -551,10 +551,15 @@ def finish_done_many() -> str:
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
     a = functools.partial(column, "Attempt")
+    attempt_table = table("Attempt")
+    # Never before the start (a start's own clock may run ahead of this statement's).
     finished = _assignments("CallQueue", {
-        "status": "%(done)s", "result": "d.result", "finished_at": "clock.now", "last_error": "''",
+        "status": "%(done)s", "result": "d.result", "last_error": "''",
+        "finished_at": f"GREATEST(clock.now, {call}.{c('started_at')})",
     })
-    attempt = _assignments("Attempt", {"finished_at": "clock.now", "outcome": "%(outcome)s", "error": "''"})
+    attempt = _assignments("Attempt", {
+        "finished_at": f"GREATEST(clock.now, {attempt_table}.{a('started_at')})", "outcome": "%(outcome)s", "error": "''",
+    })
     return f"""
         WITH clock AS MATERIALIZED (
             SELECT {CLOCK} AS now
@@ -568,8 +573,8 @@ def finish_done_many() -> str:
                 AND {call}.{c('dispatch_no')} = d.dispatch_no
             RETURNING {call}.{c('id')} AS id, d.attempt_id, d.wake
         ), attempt AS (
-            UPDATE {table('Attempt')} SET {attempt}
-            FROM finished, clock WHERE {table('Attempt')}.{a('id')} = finished.attempt_id
+            UPDATE {attempt_table} SET {attempt}
+            FROM finished, clock WHERE {attempt_table}.{a('id')} = finished.attempt_id
         ), wake AS (
             {NOTIFY.replace("%s", "%(channel)s")} WHERE EXISTS (SELECT 1 FROM finished WHERE wake)
         )

@@ -28,10 +28,11 @@ PASS_QUERIES = {"postgresql": 11, "sqlite": 8 + 2 * KEY_SETS}
 # started a call before: read the call's head (1); start, in one transaction: lock the key, then
 # one statement reads the clock, the version of the policies the worker kept and the window
 # count (on PostgreSQL), then one statement marks the call running and writes the attempt, the
-# window log and the counters (3, plus BEGIN/COMMIT); finish: the clock, then one statement for
-# the call, the attempt and the wake-up (2). SQLite reads the policies at every start, runs
-# the statements that PostgreSQL combines one by one, in transactions, and locks no key at a finish.
-RUN_QUERIES = {"postgresql": 8, "sqlite": 15}
+# window log and the counters (3, plus BEGIN/COMMIT); finish: one statement for the call, the
+# attempt and the wake-up on the database's own clock (1). SQLite reads the policies at every
+# start, runs the statements that PostgreSQL combines one by one, in transactions, reads the
+# clock before its finish and locks no key at a finish.
+RUN_QUERIES = {"postgresql": 7, "sqlite": 15}
 # One message of 10 such calls (DISPATCHER_CALLS_PER_MESSAGE=10) on PostgreSQL: their heads (1);
 # one transaction starts them all: lock their keys, read clock, policy version and windows, mark
 # them running (3, plus BEGIN/COMMIT); one statement records their outcomes (1).
@@ -39,8 +40,9 @@ RUN_QUERIES = {"postgresql": 8, "sqlite": 15}
 MESSAGE_QUERIES = {"postgresql": 7, "sqlite": 10 * 15}
 # After the finish the worker keeps the start-to-send delay it measured (the learnt arrival
 # guard) when it is the key's largest of the span or a span has gone by: the key's first run
-# always writes it (PostgreSQL: one conditional UPDATE; SQLite: BEGIN, the locked read, the
-# update, COMMIT); a run whose delay is no larger than what its start read does not even ask.
+# always writes it (PostgreSQL: one conditional UPDATE for one key, after locking several in key
+# order; SQLite: BEGIN, the locked read, the update, COMMIT); a run whose delay is no larger than
+# what its start read does not even ask.
 DELAY_QUERIES = {"postgresql": 1, "sqlite": 4}
 
 
