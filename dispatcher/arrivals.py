@@ -86,6 +86,29 @@ def trace(event: str, info: dict[str, Any]) -> None:
         mark_sent()
 
 
+def snapshot() -> tuple[float | None, Noted | None]:
+    """Return what this thread's last start noted (to carry to a thread it started a call for)."""
+    return _clock_read.get(), _spans.get()
+
+
+def restore(noted: tuple[float | None, Noted | None] | None) -> None:
+    """Take what another thread's start noted for this thread's call (``dispatcher.combiner``)."""
+    if noted is not None:
+        _clock_read.set(noted[0])
+        _spans.set(noted[1])
+
+
+def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
+    """Return what a start noted, only for these keys (a group's start noted all its calls' keys)."""
+    if noted is None:
+        return None
+    spans, kept, now, learnt, buckets = noted
+    return (
+        {k: v for k, v in spans.items() if k in keys}, {k: v for k, v in kept.items() if k in keys}, now,
+        {k: v for k, v in learnt.items() if k in keys}, {k: v for k, v in buckets.items() if k in keys},
+    )
+
+
 def begin() -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted."""
     _sent.set(None)
