@@ -506,6 +506,79 @@ def http_threads(ctx: Context) -> list[Figure]:
     ]
 
 
+def worker_cpu(ctx: Context) -> list[Figure]:
+    """The worker's own CPU per call, one thread in this process, no broker: the whole of
+    ``dispatcher.worker.execute`` for an http call (start, handler, finish) beside the same GET
+    made with a pooled httpx client, and the share of each phase (cProfile with a CPU clock).
+
+    Under ``-P threads`` a worker process is bound by one GIL, so calls/s there is about one
+    core over the CPU per call: this row says where that CPU goes, without scheduling noise.
+    """
+    import cProfile
+    import pstats
+
+    import httpx
+
+    from dispatcher.limiter import Policies
+    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.worker import execute
+    from support.fakeapi import FakeAPI
+
+    n = 600 if ctx.sizes is FULL else 200
+    _http_env()
+    reset_tables()
+    api = FakeAPI().start()
+    url = f"{api.url}/slow?delay=0"
+    try:
+        RateLimit.objects.set_policy("cpu", 1_000_000, timedelta(seconds=1))
+        CallQueue.objects.send_many(
+            [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["cpu"]} for _ in range(2 * n + 50)]
+        )
+        claimed = CallQueue.objects.claim('["cpu"]', 2 * n + 50, Policies.load()).calls
+        check(len(claimed) == 2 * n + 50, f"claimed {len(claimed)} of {2 * n + 50}")
+        for call in claimed[:50]:  # warm: connections, the kept policies, the pooled client
+            execute(call.id, call.dispatch_no)
+        with httpx.Client() as client:
+            started = time.process_time()
+            for _ in range(n):
+                client.get(url)
+            plain = (time.process_time() - started) / n
+        started = time.process_time()
+        for call in claimed[50:50 + n]:
+            execute(call.id, call.dispatch_no)
+        ours = (time.process_time() - started) / n
+        profile = cProfile.Profile(time.process_time)
+        profile.enable()
+        for call in claimed[50 + n:]:
+            execute(call.id, call.dispatch_no)
+        profile.disable()
+    finally:
+        api.stop()
+    check(CallQueue.objects.filter(status="done").count() == 2 * n + 50, "calls not done")
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    total = sum(row[2] for row in stats.values())  # tottime: every sample once
+
+    def share(module: str, function: str) -> float:
+        return sum(row[3] for (path, _, name), row in stats.items() if path.endswith(module) and name == function) / total
+
+    phases = {
+        "start": share("dispatcher/worker.py", "_combined_start"),
+        "handler": share("dispatcher/worker.py", "_call_handler"),
+        "finish": share("dispatcher/worker.py", "_record_outcome"),
+        "send delay": share("dispatcher/worker.py", "_remember_delay"),
+    }
+    return [
+        Figure(
+            f"worker CPU per http call, one thread, no broker ({n} calls)",
+            f"{ours * 1000:.2f} ms: " + ", ".join(f"{name} {part:.0%}" for name, part in phases.items()),
+            "-",
+            f"the same GET, pooled httpx client {plain * 1000:.2f} ms",
+            None,
+            {"ms_per_call": ours * 1000, "plain_ms_per_call": plain * 1000, "phases": phases},
+        )
+    ]
+
+
 # --- enqueue ------------------------------------------------------------------------------------
 
 def enqueue(ctx: Context) -> list[Figure]:
@@ -869,6 +942,7 @@ ALL = {
     "arrivals": arrivals,
     "completed": completed_calls,
     "http_threads": http_threads,
+    "worker_cpu": worker_cpu,
     "enqueue": enqueue,
     "memory": dispenser_memory,
     "http_latency": http_latency,
