@@ -7,7 +7,7 @@ import re
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httpx
 import idna
@@ -35,6 +35,8 @@ FORBIDDEN_HEADERS = {
 HEADER_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 HEADER_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
 MAX_HEADER_VALUE = 8192
+# A URL character that is a space, a control or DEL.
+URL_REFUSED_CHAR = re.compile(r"[\x00-\x20\x7f]")
 
 
 class RetryableHTTPError(Exception):
@@ -79,7 +81,11 @@ def host_rules(entries: list[str]) -> list[HostRule]:
 
 
 def _url_host(url: str) -> tuple[str, str, int | None]:
-    parts = urlsplit(url)
+    return _split_host(urlsplit(url))
+
+
+def _split_host(parts: SplitResult) -> tuple[str, str, int | None]:
+    """Return the host as the allow-list names it (IPv6 in brackets), the scheme and the port."""
     host = parts.hostname or ""
     try:
         if isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address):
@@ -103,9 +109,15 @@ def _check_idna(host: str) -> None:
 
 def check_url(url: Any) -> str:
     """Return the URL if its scheme is http(s) and its host and port are allow-listed, else raise InvalidParams."""
+    _checked_url(url)
+    return url
+
+
+def _checked_url(url: Any) -> tuple[httpx.URL, str, int | None]:
+    """Check a URL as ``check_url`` does; return it as the client parsed it, its host and its port."""
     if not isinstance(url, str) or not url:
         raise InvalidParams("http: 'url' must be a non-empty string")
-    if len(url) > 8192 or any(ord(c) < 33 or ord(c) == 127 for c in url):
+    if len(url) > 8192 or URL_REFUSED_CHAR.search(url):
         raise InvalidParams("http: 'url' must not contain spaces or control characters, nor exceed 8192 characters")
     try:
         parts = urlsplit(url)
@@ -120,12 +132,12 @@ def check_url(url: Any) -> str:
     if not host:
         raise InvalidParams(f"http: url {url!r} names no host")
     try:
-        httpx.URL(url)
+        parsed = httpx.URL(url)
     except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
         raise InvalidParams(f"http: the http client refuses url {url!r}: {exc}") from None
     _check_idna(host)
     entries = dispatcher_settings.HTTP_ALLOWED_HOSTS
-    candidate, scheme, port = _url_host(url)
+    candidate, scheme, port = _split_host(parts)
     try:
         rules = host_rules(entries)
     except ValueError as exc:
@@ -136,7 +148,7 @@ def check_url(url: Any) -> str:
             f"http: {shown!r} is not in DISPATCHER_HTTP_ALLOWED_HOSTS ({', '.join(entries) or 'empty'}); "
             "an entry without a port opens the scheme's default port only"
         )
-    return url
+    return parsed, candidate, port
 
 
 @dataclass(frozen=True)
@@ -269,8 +281,11 @@ def _scrub(text: str, secrets: list[str]) -> str:
 @handler("http", validator=validate_http)
 def http(**params: Any) -> dict[str, Any]:
     """Send the request; 2xx is done, 429 pauses, 5xx and network errors retry, other 4xx fail."""
+    url = params["url"]
     try:
-        url = check_url(params["url"])  # the allow-list may have changed since send()
+        # The allow-list may have changed since send(). The request goes to the URL as checked,
+        # not parsed again.
+        target, host, port = _checked_url(url)
     except InvalidParams as exc:
         raise PermanentError(str(exc)) from None
     timeout = float(params.get("timeout") or dispatcher_settings.HTTP_TIMEOUT)
@@ -283,14 +298,13 @@ def http(**params: Any) -> dict[str, Any]:
         request["data"] = params["data"]
     elif params.get("data") is not None:
         request["content"] = params["data"]
-    host, _, port = _url_host(url)
     origin = f"{host}:{port}" if port is not None else host
     limit = max(dispatcher_settings.HTTP_MAX_BODY, 0)
     try:
         # ``timeout`` bounds the whole call: connect, send, headers and body together.
         # The trace hook tells the worker when the request's headers go out (the learnt arrival guard).
         with httpclient.deadline(timeout), get_client().stream(
-            params["method"].upper(), url, timeout=timeout, extensions={"trace": arrivals.trace}, **request
+            params["method"].upper(), target, timeout=timeout, extensions={"trace": arrivals.trace}, **request
         ) as response:
             raw, truncated = read_body(response, limit * 4)
             status, answer_headers = response.status_code, response.headers

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatcher.ratelimit_headers import MAX_SECONDS, Window, parse, parse_reset, parse_retry_after, signal
+from dispatcher.ratelimit_headers import MAX_SECONDS, Signal, Window, parse, parse_reset, parse_retry_after, signal
 
 NOW = 1_800_000_000.0
 
@@ -55,6 +55,15 @@ def test_garbage_retry_after_is_ignored_or_bounded(value):
 def test_far_future_epochs_and_huge_values_are_cut_to_the_bound():
     assert parse_reset("99999999999999", NOW) <= MAX_SECONDS
     assert parse_retry_after("99999999", NOW) == MAX_SECONDS
+
+
+def test_an_answer_without_rate_limit_headers_says_nothing():
+    assert parse(headers(content_type="application/json", x_request_id="7", ratelimit_note="5"), 429, NOW) == Signal()
+
+
+def test_one_rate_limit_header_among_others_is_read_whatever_its_case():
+    found = parse(httpx.Headers({"Content-Type": "text/plain", "X-RateLimit-Remaining": "0", "X-RATELIMIT-RESET": "5"}), 200, NOW)
+    assert found.wait() == 5.0 and found.text == "0 remaining, reset in 5s"
 
 
 def test_a_handler_reports_its_own_signals():
