@@ -206,6 +206,8 @@ class Run:
     call: CallQueue
     attempt: Attempt
     capped: bool
+    # What its start noted for the send-delay measurement (``arrivals.snapshot``).
+    noted: Any = None
 
 
 # Most handlers of one message run at once (DISPATCHER_CALLS_PER_MESSAGE > 1).
@@ -225,11 +227,13 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     for tries in range(EARLY_TRIES + 1):
         may_wait = ahead if tries < EARLY_TRIES else timedelta(0)
         started = _record(CallQueue.objects.start_many, pending, worker=worker, may_wait=may_wait)
+        # The group's start clock and what it noted: each handler thread measures its send from it.
+        noted = arrivals.snapshot()
         early = []
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
             if one.state == "started":
                 assert one.call is not None and one.attempt is not None
-                runs.append(Run(one.call, one.attempt, one.capped))
+                runs.append(Run(one.call, one.attempt, one.capped, noted))
                 log.debug("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
             elif one.state == "early":
                 early.append(((call_id, dispatch_no), one.wait))
@@ -243,7 +247,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     if not runs:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
-        done = list(pool.map(_call_handler_in_pool, [run.call for run in runs]))
+        done = list(pool.map(_call_handler_in_pool, runs))
     # One call's (or the successes') failure to record must not strand the others: what could not
     # be recorded stays running until the rescue sweep returns it.
     finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == AttemptOutcome.DONE]
@@ -274,11 +278,18 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     return outcomes
 
 
-def _call_handler_in_pool(call: Any) -> tuple[Outcome, Any]:
-    """Run a handler in a thread of the message's pool; return what it did and the cost it reported."""
+def _call_handler_in_pool(run: Run) -> tuple[Outcome, Any]:
+    """Run a handler in a thread of the message's pool; return what it did and the cost it reported.
+
+    Its start-to-send delay is measured and kept for its keys' arrival guard, as ``execute``
+    does for a call alone.
+    """
     take_reported()
+    arrivals.restore(run.noted)
+    clock_read, noted = arrivals.begin()
     try:
-        return _call_handler(call), take_reported()
+        return _call_handler(run.call), take_reported()
     finally:
-        # A handler that used the database did so on this thread's own connection.
+        _remember_delay(run.call.id, clock_read, arrivals.for_keys(noted, run.call.keys))
+        # A handler that used the database, or the delay written, did so on this thread's own connection.
         connections.close_all()

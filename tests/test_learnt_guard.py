@@ -232,3 +232,20 @@ def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_w
     started = CallQueue.objects.start(second.id, second.dispatch_no, "w", may_wait=timedelta(minutes=2))
     assert started.state == "early"  # the wait was skipped here: the slot is still a minute away
     assert events == ["mark", "wait", "mark"]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_calls_of_one_message_keep_their_send_delay_for_the_arrival_guard():
+    """DISPATCHER_CALLS_PER_MESSAGE > 1: each handler thread of a message measures its own send
+    from the group's start clock, and the keys learn it, as a call alone does (without it, a
+    worker running messages of 8 calls under -P threads overflowed a binding window at the API)."""
+    from dispatcher.models import CallQueue, KeyState, RateLimit
+    from dispatcher.worker import execute_many
+    from tests.test_lifecycle import claim_all
+
+    RateLimit.objects.set_policy("late", 100, timedelta(minutes=1))
+    calls = [CallQueue.objects.send("late_send", {"delay": 0.06}, keys=["late"]) for _ in range(3)]
+    claimed = claim_all(calls[0].key_set, 3).calls
+    assert execute_many([(c.id, c.dispatch_no) for c in claimed]) == {"done": 3}
+    assert KeyState.objects.get(key="late").send_delay_us >= 60_000

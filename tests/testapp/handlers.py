@@ -23,6 +23,15 @@ def noop(**params: Any) -> None:
     return None
 
 
+@handler("late_send")
+def late_send(delay: float = 0.0, **params: Any) -> None:
+    """A handler that sends its request ``delay`` seconds after it is invoked."""
+    import time
+
+    time.sleep(delay)
+    arrivals.mark_sent()
+
+
 @handler("explode")
 def explode(permanent: bool = False, **params: Any) -> None:
     if permanent:
