@@ -36,3 +36,14 @@ def check(figures: dict[str, dict[str, float]]) -> None:
 def test_a_wide_guard_absorbs_the_spread_of_the_http_handler(procs, fake_api):
     figures = run_shapes(procs, fake_api, {"DISPATCHER_ARRIVAL_GUARD": "300ms"})
     assert {name: f["refused"] for name, f in figures.items()} == dict.fromkeys(SHAPES, 0), figures
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_calls_sent_several_per_message_are_kept_at_the_api(procs, fake_api):
+    # Each handler thread of a message measures its own send delay for the guard, as a call alone
+    # does (when they did not, the window partner refused 4 requests in 2 of 2 runs). Use is
+    # printed, not asserted: with calls started 4 at a time it measured 90.7-96.8% in 4 runs,
+    # the bucket lowest, too close to the 90% line of the tests above to hold under load.
+    figures = run_shapes(procs, fake_api, {"DISPATCHER_CALLS_PER_MESSAGE": "4"})
+    assert {name: f["refused"] for name, f in figures.items()} == dict.fromkeys(SHAPES, 0), figures
