@@ -525,7 +525,7 @@ def worker_cpu(ctx: Context) -> list[Figure]:
     from support.fakeapi import FakeAPI
 
     n = 600 if ctx.sizes is FULL else 200
-    _http_env()
+    _http_env()  # this process runs the calls: it must allow the fake API's port too
     reset_tables()
     api = FakeAPI().start()
     url = f"{api.url}/slow?delay=0"

@@ -92,7 +92,7 @@ def snapshot() -> tuple[float | None, Noted | None]:
 
 
 def restore(noted: tuple[float | None, Noted | None] | None) -> None:
-    """Take what another thread's start noted for this thread's call (``dispatcher.combiner``)."""
+    """Take what another thread's start noted for this thread's call (``dispatcher.combiner``, a message's handler threads)."""
     if noted is not None:
         _clock_read.set(noted[0])
         _spans.set(noted[1])
@@ -103,17 +103,20 @@ def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
     if noted is None:
         return None
     spans, kept, now, learnt, buckets = noted
-    return (
-        {k: v for k, v in spans.items() if k in keys}, {k: v for k, v in kept.items() if k in keys}, now,
-        {k: v for k, v in learnt.items() if k in keys}, {k: v for k, v in buckets.items() if k in keys},
-    )
+
+    def mine(values: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in values.items() if key in keys}
+
+    return mine(spans), mine(kept), now, mine(learnt), mine(buckets)
 
 
-def begin() -> tuple[float | None, Noted | None]:
-    """Return, for a call just started, when its start's clock was read and what its start noted."""
+def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
+    """Return, for a call just started, when its start's clock was read and what its start noted
+    (for its ``keys`` only, when given)."""
     _sent.set(None)
     _invoked.set(None)
-    return _clock_read.get(), _spans.get()
+    noted = _spans.get()
+    return _clock_read.get(), noted if keys is None else for_keys(noted, keys)
 
 
 def mark_invoked() -> None:

@@ -111,8 +111,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin()
-    noted = arrivals.for_keys(noted, call.keys)
+    clock_read, noted = arrivals.begin(call.keys)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -286,10 +285,10 @@ def _call_handler_in_pool(run: Run) -> tuple[Outcome, Any]:
     """
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin()
+    clock_read, noted = arrivals.begin(run.call.keys)
     try:
         return _call_handler(run.call), take_reported()
     finally:
-        _remember_delay(run.call.id, clock_read, arrivals.for_keys(noted, run.call.keys))
+        _remember_delay(run.call.id, clock_read, noted)
         # A handler that used the database, or the delay written, did so on this thread's own connection.
         connections.close_all()
