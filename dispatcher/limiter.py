@@ -26,6 +26,7 @@ from django.db.models.functions import Now
 from dispatcher import arrivals, sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
+from dispatcher.folded import Folded, Unfoldable
 from dispatcher.keys import is_pattern, parse_key_set, pattern_matches
 from dispatcher.policies import (
     DelayMemory,
@@ -388,14 +389,20 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
     return max(known, key=lambda pair: pair[0])[1]
 
 
-def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, KeyState]:
-    """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction."""
+def lock_keys(keys: Sequence[str], using: str | None = None, folded: Folded | None = None) -> dict[str, KeyState]:
+    """Lock the KeyState rows of the keys, creating missing ones; call inside a transaction.
+
+    In a folded start (``dispatcher.folded``) the lock opens the transaction, and missing rows
+    raise ``Unfoldable``: creating them needs Django's transaction.
+    """
     if not keys:
         return {}
     db = alias(using)
     ordered = sorted(set(keys))
-    states = _select_for_update(ordered, db)
+    states = _select_for_update(ordered, db, folded)
     if len(states) < len(ordered):
+        if folded is not None:
+            raise Unfoldable(f"no key row for {sorted(set(ordered) - set(states))}")
         tables.KeyState.objects.using(db).bulk_create(
             [tables.KeyState(key=k) for k in ordered if k not in states], ignore_conflicts=True
         )
@@ -403,13 +410,17 @@ def lock_keys(keys: Sequence[str], using: str | None = None) -> dict[str, KeySta
     return states
 
 
-def _select_for_update(ordered: list[str], db: str) -> dict[str, KeyState]:
+def _select_for_update(ordered: list[str], db: str, folded: Folded | None = None) -> dict[str, KeyState]:
     if not sql.postgresql_path(db):
         return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
     with connections[db].cursor() as cursor:
-        cursor.execute(sql.lock_key_states(), [ordered])
+        if folded is not None and not folded.begun:
+            cursor.execute(folded.begin(sql.lock_key_states()), [ordered])
+            cursor.nextset()  # past BEGIN's result, to the rows
+        else:
+            cursor.execute(sql.lock_key_states(), [ordered])
         rows = cursor.fetchall()
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
     return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}

@@ -21,6 +21,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
 from dispatcher.durations import parse_positive_duration
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, InvalidKey, InvalidParams
+from dispatcher.folded import Folded, Unfoldable, start_transaction
 from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import is_pattern, key_set, parse_key_set, read_key_set, resolve_keys, validate_policy_key
 from dispatcher.policies import validate as validate_shape
@@ -585,11 +586,21 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         keys = parse_key_set(head[0])
         cost = _json_value(head[3]) or {}
         costs = {key: cost.get(key, 1) for key in keys}
+        try:
+            return self._start_locked(call_id, dispatch_no, keys, costs, worker, may_wait, fold=True)
+        except Unfoldable:
+            return self._start_locked(call_id, dispatch_no, keys, costs, worker, may_wait, fold=False)
+
+    def _start_locked(
+        self, call_id: int, dispatch_no: int, keys: list[str], costs: dict[str, int], worker: str,
+        may_wait: timedelta, *, fold: bool,
+    ) -> Started:
+        """The transaction of ``start``: lock the keys, judge the call, mark it running or defer it."""
         capped = False
         record = None
-        with transaction.atomic(using=self.db):
+        with start_transaction(self.db, fold) as folded:
             if keys:
-                states = limiter.lock_keys(keys, using=self.db)
+                states = limiter.lock_keys(keys, using=self.db, folded=folded)
                 # Read after the lock wait, so a policy edit committed meanwhile binds this start;
                 # with the policies this process kept, in the statement that reads the windows.
                 policies, now, read = limiter.policies_for_start(keys, states, using=self.db)
@@ -628,7 +639,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 record = limiter.start_record(keys, states, assessment, policies, now, costs)
             else:
                 now = db_now(self.db)
-            started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200], record)
+            started = self._mark_running(call_id, dispatch_no, keys, now, worker[:200], record, folded)
         if started is None:
             return Started("stale", reason="claimed by another delivery")
         return Started("started", call=started[0], attempt=started[1], capped=capped)
@@ -643,8 +654,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         that does not fit goes back to wait, as ``start()`` defers one, unless its keys have
         room within ``may_wait``: then nothing changes for it ("early"). One statement marks the
         admitted calls running and writes their attempts, start logs, buckets and counters. If
-        a duplicate delivery started one of them meanwhile, nothing of the group is kept and
-        each is started on its own. SQLite starts them one by one.
+        a duplicate delivery started one of them meanwhile, none of the group's starts is kept
+        (the calls it deferred stay deferred in a folded start, ``dispatcher.folded``) and each
+        is started on its own. SQLite starts them one by one.
         """
         worker = worker[:200]
         if not sql.postgresql_path(self.db) or len(deliveries) < 2:
@@ -671,22 +683,26 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
                 seen.add(call_id)
         try:
-            results.update(self._start_group(live, worker, may_wait))
+            try:
+                results.update(self._start_group(live, worker, may_wait, fold=True))
+            except Unfoldable:
+                results.update(self._start_group(live, worker, may_wait, fold=False))
         except _GroupRaced:
             for index, call_id, dispatch_no, _, _ in live:
                 results[index] = self.start(call_id, dispatch_no, worker, may_wait=may_wait)
         return [results[index] for index in range(len(deliveries))]
 
     def _start_group(
-        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str, may_wait: timedelta
+        self, live: list[tuple[int, int, int, list[str], dict[str, int]]], worker: str, may_wait: timedelta,
+        *, fold: bool,
     ) -> dict[int, Started]:
         """Start (or defer) the live deliveries of a message in one transaction; see start_many()."""
         results: dict[int, Started] = {}
         if not live:
             return results
         all_keys = sorted({key for _, _, _, keys, _ in live for key in keys})
-        with transaction.atomic(using=self.db):
-            states = limiter.lock_keys(all_keys, using=self.db)
+        with start_transaction(self.db, fold) as folded:
+            states = limiter.lock_keys(all_keys, using=self.db, folded=folded)
             policies, now, read = limiter.policies_for_start(all_keys, states, using=self.db)
             group = limiter.Group(states, policies, now, limiter.assess(
                 all_keys, states, now, policies, for_start=True, read=read, using=self.db
@@ -712,7 +728,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 limiter.adjust(keys, reserved=-1, units=costs, using=self.db)
                 results[index] = Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
             if admitted:
-                started = self._mark_running_group(admitted, now, worker, group)
+                started = self._mark_running_group(admitted, now, worker, group, folded)
                 if len(started) < len(admitted):
                     raise _GroupRaced  # rolls back the whole group
                 for index, call_id, _, _, capped in admitted:
@@ -722,7 +738,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _mark_running_group(
         self, admitted: list[tuple[int, int, int, limiter.StartRecord, bool]], now: datetime, worker: str,
-        group: limiter.Group,
+        group: limiter.Group, folded: Folded | None = None,
     ) -> dict[int, tuple[CallQueue, Attempt]]:
         """One statement (``sql.mark_running_group``): mark the admitted calls running, open their
         attempts, write their start logs, the buckets' last states and each key's counters (only
@@ -750,8 +766,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
             "c_totals": [group.states[key].total for key in moved],
         }
+        statement = sql.mark_running_group()
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql.mark_running_group(), params)
+            cursor.execute(folded.commit(statement) if folded else statement, params)
             rows = cursor.fetchall()
         started: dict[int, tuple[CallQueue, Attempt]] = {}
         for row in rows:
@@ -771,12 +788,12 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _mark_running(
         self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
-        record: limiter.StartRecord | None,
+        record: limiter.StartRecord | None, folded: Folded | None = None,
     ) -> tuple[CallQueue, Attempt] | None:
         """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
         record = record or limiter.StartRecord()
         if self._on_postgresql():
-            return self._mark_running_postgresql(call_id, dispatch_no, keys, now, worker, record)
+            return self._mark_running_postgresql(call_id, dispatch_no, keys, now, worker, record, folded)
         return self._mark_running_portable(call_id, dispatch_no, keys, now, worker, record)
 
     def _mark_running_portable(
@@ -802,9 +819,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
 
     def _mark_running_postgresql(
         self, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
-        record: limiter.StartRecord,
+        record: limiter.StartRecord, folded: Folded | None,
     ) -> tuple[CallQueue, Attempt] | None:
-        """The same as one statement (``sql.mark_running``)."""
+        """The same as one statement (``sql.mark_running``), with a folded start's COMMIT."""
         params: dict[str, Any] = {
             "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
             "dispatch_no": dispatch_no, "worker": worker,
@@ -815,8 +832,9 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
             # What each start charged its bucket beyond max(tat, now), to carry to the later clock.
             "b_charged": record.charged,
         }
+        statement = sql.mark_running()
         with connections[self.db].cursor() as cursor:
-            cursor.execute(sql.mark_running(), params)
+            cursor.execute(folded.commit(statement) if folded else statement, params)
             row = cursor.fetchone()
         if row is None:
             return None

@@ -451,9 +451,10 @@ def mark_running_group() -> str:
     Params: the calls' ids and dispatch numbers (%(ids)s, %(nos)s) and their count (%(n)s); the
     start log with each row's call (%(log_calls)s); the buckets' last states; per key the calls,
     units and running total the group moves (%(c_keys)s, %(c_calls)s, %(c_units)s, %(c_totals)s).
-    The log, buckets and counters are written only if every call was won; the caller rolls the
-    transaction back otherwise. Returns per started call its attempt's id and number, then every
-    column of the call (``columns`` order).
+    All or nothing: the calls are locked first (``ready``), and unless every one is still its
+    delivery's to start, nothing is written and no row returned, so the COMMIT a folded start
+    sends with it (``dispatcher.folded``) keeps nothing of the group. Returns per started call
+    its attempt's id and number, then every column of the call (``columns`` order).
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
@@ -464,11 +465,17 @@ def mark_running_group() -> str:
             SELECT %(now)s::timestamptz AS now
         ), d AS (
             SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[]) AS d(id, dispatch_no)
+        ), ready AS (
+            SELECT COUNT(*) = %(n)s AS all_won FROM (
+                SELECT 1 FROM {call} JOIN d ON {call}.{c('id')} = d.id
+                WHERE {call}.{c('status')} = %(dispatched)s AND {call}.{c('dispatch_no')} = d.dispatch_no
+                FOR UPDATE OF {call}
+            ) AS locked
         ), started AS (
             UPDATE {call} SET {started}
-            FROM d
+            FROM d, ready
             WHERE {call}.{c('id')} = d.id AND {call}.{c('status')} = %(dispatched)s
-                AND {call}.{c('dispatch_no')} = d.dispatch_no
+                AND {call}.{c('dispatch_no')} = d.dispatch_no AND ready.all_won
             RETURNING {call}.*
         ), won AS (
             SELECT COUNT(*) = %(n)s AS all_won FROM started

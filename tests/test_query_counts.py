@@ -28,16 +28,17 @@ PASS_QUERIES = {"postgresql": 11, "sqlite": 8 + 2 * KEY_SETS}
 # started a call before: read the call's head (1); start, in one transaction: lock the key, then
 # one statement reads the clock, the version of the policies the worker kept and the window
 # count (on PostgreSQL), then one statement marks the call running and writes the attempt, the
-# window log and the counters (3, plus BEGIN/COMMIT); finish: one statement for the call, the
+# window log and the counters (3: on PostgreSQL BEGIN goes with the lock and COMMIT with the
+# mark, dispatcher.folded; on SQLite they are two more); finish: one statement for the call, the
 # attempt and the wake-up on the database's own clock (1). SQLite reads the policies at every
 # start, runs the statements that PostgreSQL combines one by one, in transactions, reads the
 # clock before its finish and locks no key at a finish.
-RUN_QUERIES = {"postgresql": 7, "sqlite": 15}
+RUN_QUERIES = {"postgresql": 5, "sqlite": 15}
 # One message of 10 such calls (DISPATCHER_CALLS_PER_MESSAGE=10) on PostgreSQL: their heads (1);
 # one transaction starts them all: lock their keys, read clock, policy version and windows, mark
-# them running (3, plus BEGIN/COMMIT); one statement records their outcomes (1).
-# SQLite starts and finishes them one by one.
-MESSAGE_QUERIES = {"postgresql": 7, "sqlite": 10 * 15}
+# them running (3, BEGIN and COMMIT going with the first and the last); one statement records
+# their outcomes (1). SQLite starts and finishes them one by one.
+MESSAGE_QUERIES = {"postgresql": 5, "sqlite": 10 * 15}
 # After the finish the worker keeps the start-to-send delay it measured (the learnt arrival
 # guard) when it is the key's largest of the span or a span has gone by: the key's first run
 # always writes it (PostgreSQL: one conditional UPDATE for one key, after locking several in key

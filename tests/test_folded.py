@@ -1,0 +1,179 @@
+"""A start's transaction on PostgreSQL with BEGIN sent with the key lock and COMMIT with the mark
+(``dispatcher.folded``): what it sends, and that it never leaves a transaction or a lock open.
+
+Transactional tests: the folded start is the worker's own (autocommit, no ``atomic`` around it),
+which pytest-django's default wrapping transaction would turn off.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from django.db import connection, connections, transaction
+from django.test.utils import CaptureQueriesContext
+
+from dispatcher import limiter
+from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from tests.test_lifecycle import claim_all
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+def _claimed(n: int, key: str = "api") -> list[CallQueue]:
+    calls = [CallQueue.objects.send("noop", keys=[key]) for _ in range(n)]
+    claimed = claim_all(calls[0].key_set, n).calls
+    assert len(claimed) == n
+    return sorted(claimed, key=lambda c: c.id)
+
+
+def _seen_elsewhere(fn):
+    """Run ``fn`` on a connection of its own (another thread): what other sessions see."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=30)
+    assert out, "the other session failed"
+    return out[0]
+
+
+def _key_lockable_elsewhere(key: str) -> bool:
+    def lock() -> bool:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM dispatcher_keystate WHERE key = %s FOR UPDATE NOWAIT", [key])
+            return cursor.fetchone() is not None
+
+    return _seen_elsewhere(lock)
+
+
+def _idle() -> bool:
+    return connection.connection.info.transaction_status.name == "IDLE"
+
+
+def test_a_start_is_four_round_trips_and_is_committed_when_it_returns():
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    first, call = _claimed(2)
+    # The first start of a process also reads the policies it then keeps.
+    assert CallQueue.objects.start(first.id, first.dispatch_no, worker="w").state == "started"
+    with CaptureQueriesContext(connection) as queries:
+        started = CallQueue.objects.start(call.id, call.dispatch_no, worker="w")
+    assert started.state == "started"
+    sent = [q["sql"].strip() for q in queries]
+    # The head, BEGIN with the lock, the windows, the mark with COMMIT: nothing sent on its own.
+    assert len(sent) == 4, sent
+    assert sent[1].startswith("BEGIN; ") and "FOR UPDATE" in sent[1]
+    assert sent[3].endswith("; COMMIT")
+    assert _idle()
+    # Committed: another session sees the call running and can take the key's lock.
+    assert _seen_elsewhere(lambda: CallQueue.objects.get(id=call.id).status) == "running"
+    assert _key_lockable_elsewhere("api")
+
+
+def test_a_deferred_start_is_committed_without_a_mark():
+    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    first, second = _claimed(2)
+    # Tightened while the messages waited in the broker: only one fits now.
+    RateLimit.objects.filter(key="api").delete()
+    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    assert CallQueue.objects.start(first.id, first.dispatch_no).state == "started"
+    assert CallQueue.objects.start(second.id, second.dispatch_no).state == "deferred"
+    assert _idle()
+    assert _seen_elsewhere(lambda: CallQueue.objects.get(id=second.id).status) == "pending"
+    assert _seen_elsewhere(lambda: KeyState.objects.get(key="api").reserved) == 0
+    assert _key_lockable_elsewhere("api")
+
+
+def test_a_start_that_fails_inside_leaves_nothing_written_and_no_lock_held(monkeypatch):
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    (call,) = _claimed(1)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("judgement failed")
+
+    monkeypatch.setattr(limiter, "assess", broken)
+    with pytest.raises(RuntimeError, match="judgement failed"):
+        CallQueue.objects.start(call.id, call.dispatch_no, worker="w")
+    assert _idle()
+    assert _key_lockable_elsewhere("api")
+    assert CallQueue.objects.get(id=call.id).status == "dispatched"
+    assert not Attempt.objects.exists()
+    # The connection is usable as it was: the next start goes through.
+    monkeypatch.undo()
+    assert CallQueue.objects.start(call.id, call.dispatch_no, worker="w").state == "started"
+
+
+def test_a_failed_statement_inside_is_rolled_back(monkeypatch):
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    (call,) = _claimed(1)
+    real = limiter.assess
+
+    def failing_statement(*args, **kwargs):
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")  # leaves the transaction failed on the server
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(limiter, "assess", failing_statement)
+    with pytest.raises(Exception, match="division by zero"):
+        CallQueue.objects.start(call.id, call.dispatch_no)
+    assert _idle()
+    assert _key_lockable_elsewhere("api")
+    monkeypatch.undo()
+    assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
+
+
+def test_a_key_row_gone_since_the_claim_is_created_in_djangos_transaction():
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    (call,) = _claimed(1)
+    KeyState.objects.filter(key="api").delete()
+    assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
+    assert _idle()
+    assert KeyState.objects.get(key="api").total == 1
+    assert KeyStart.objects.filter(key="api").count() == 1
+
+
+def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    (call,) = _claimed(1)
+
+    class Undo(Exception):
+        pass
+
+    with pytest.raises(Undo), transaction.atomic():
+        assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
+        raise Undo
+    assert CallQueue.objects.get(id=call.id).status == "dispatched"
+    assert not KeyStart.objects.exists()
+
+
+def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts_alone():
+    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    calls = _claimed(3)
+    deliveries = [(c.id, c.dispatch_no) for c in calls]
+    # A duplicate delivery starts the middle call after the group read its heads and before its
+    # mark: the group's statement (locked, all or nothing) must then write none of its starts.
+    heads_read = CallQueue.objects._start_group
+
+    def duplicate_first(live, worker, may_wait, *, fold):
+        _seen_elsewhere(lambda: CallQueue.objects.start(*deliveries[1]).state)
+        return heads_read(live, worker, may_wait, fold=fold)
+
+    manager = CallQueue.objects
+    manager._start_group = duplicate_first  # type: ignore[method-assign]
+    try:
+        started = manager.start_many(deliveries, worker="w")
+    finally:
+        del manager._start_group
+    assert [s.state for s in started] == ["started", "stale", "started"]
+    assert _idle()
+    # Each call started once: one attempt each, one log row each, the key's total 3.
+    assert sorted(Attempt.objects.values_list("call_id", flat=True)) == [c.id for c in calls]
+    assert KeyStart.objects.filter(key="api").count() == 3
+    state = KeyState.objects.get(key="api")
+    assert (state.total, state.reserved) == (3, 0)
