@@ -49,6 +49,21 @@ bench: venv
 bench-quick: venv
 	BENCH_DATABASE_URL=$(BENCH_DATABASE_URL) BENCH_REDIS_URL=$(BENCH_REDIS_URL) $(BIN)/python -m bench --quick
 
+# The worker rows again from a new virtualenv that installed the package's wheel, as a site does:
+# bench, project and support are copied to var/bench-installed, where no dispatcher/ shadows the
+# installed one (the run prints where dispatcher was imported from).
+BENCH_INSTALLED ?= http_threads completed worker_cpu
+.PHONY: bench-installed
+bench-installed: venv
+	rm -rf var/bench-installed
+	mkdir -p var/bench-installed/dist
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir var/bench-installed/dist .
+	$(PYTHON) -m venv var/bench-installed/venv
+	var/bench-installed/venv/bin/pip install --quiet -r requirements.txt var/bench-installed/dist/*.whl
+	cp -r bench project support manage.py var/bench-installed/
+	cd var/bench-installed && BENCH_DATABASE_URL=$(BENCH_DATABASE_URL) BENCH_REDIS_URL=$(BENCH_REDIS_URL) \
+		venv/bin/python -m bench --full --only $(BENCH_INSTALLED)
+
 # The demo on the embedded default, in a folder of its own (see demo/run_demo.py).
 demo: venv
 	$(BIN)/python -m demo.run_demo

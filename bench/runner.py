@@ -67,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {', '.join(ALL)}")
     mode_name = "full" if args.full else "quick"
-    machine = {**support.machine(), **support.server_versions(redis_url)}
+    import dispatcher
+
+    # A `make bench-installed` run measures the installed package, not this repository's copy.
+    machine = {
+        **support.machine(), **support.server_versions(redis_url),
+        "dispatcher": "installed package" if "site-packages" in dispatcher.__file__ else "source tree",
+    }
+    print(f"dispatcher from the {machine['dispatcher']}", flush=True)
     rows: list[support.Figure] = []
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-logs-") as log_dir:
