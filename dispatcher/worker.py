@@ -124,7 +124,11 @@ def execute(call_id: int, dispatch_no: int) -> str:
 
 def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
     """Keep the measured start-to-send delay for the keys' arrival guard; never fails the call."""
-    delay = arrivals.sent_after(clock_read)
+    _keep_delay(call_id, clock_read, noted, arrivals.sent_after(clock_read))
+
+
+def _keep_delay(call_id: int, clock_read: float | None, noted: Any, delay: timedelta | None) -> None:
+    """Keep a start-to-send delay measured on this thread or a message's handler thread."""
     if delay is None:
         return
     overdue = arrivals.overdue(noted, delay)
@@ -246,7 +250,8 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     if not runs:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
-        done = list(pool.map(_call_handler_in_pool, runs))
+        ran = list(pool.map(_call_handler_in_pool, runs))
+    done = [(outcome, reported) for outcome, reported, _ in ran]
     # One call's (or the successes') failure to record must not strand the others: what could not
     # be recorded stays running until the rescue sweep returns it.
     finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == AttemptOutcome.DONE]
@@ -274,21 +279,25 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         except Exception:
             log.exception("run_calls_failed call=%s", run.call.id)
             outcomes["failed_to_record"] = outcomes.get("failed_to_record", 0) + 1
+    # Each handler thread measured its send; the delays are kept here, on this slot's connection,
+    # after the outcomes as a call alone keeps its own: a handler thread that opened a
+    # connection only to write its delay cost a new database session (one per 6 calls measured
+    # at 8 per message).
+    for run, (_, _, measured) in zip(runs, ran, strict=True):
+        _keep_delay(run.call.id, *measured)
     return outcomes
 
 
-def _call_handler_in_pool(run: Run) -> tuple[Outcome, Any]:
-    """Run a handler in a thread of the message's pool; return what it did and the cost it reported.
-
-    Its start-to-send delay is measured and kept for its keys' arrival guard, as ``execute``
-    does for a call alone.
-    """
+def _call_handler_in_pool(run: Run) -> tuple[Outcome, Any, tuple[float | None, Any, timedelta | None]]:
+    """Run a handler in a thread of the message's pool; return what it did, the cost it reported
+    and its start-to-send measurement (the start's clock reading, what it noted, the delay), which
+    ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
     clock_read, noted = arrivals.begin(run.call.keys)
     try:
-        return _call_handler(run.call), take_reported()
+        outcome = _call_handler(run.call)
+        return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))
     finally:
-        _remember_delay(run.call.id, clock_read, noted)
-        # A handler that used the database, or the delay written, did so on this thread's own connection.
+        # A handler that used the database did so on this thread's own connection.
         connections.close_all()
