@@ -249,3 +249,34 @@ def test_calls_of_one_message_keep_their_send_delay_for_the_arrival_guard():
     claimed = claim_all(calls[0].key_set, 3).calls
     assert execute_many([(c.id, c.dispatch_no) for c in claimed]) == {"done": 3}
     assert KeyState.objects.get(key="late").send_delay_us >= 60_000
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_message_keeps_its_calls_send_delays_without_opening_database_sessions():
+    """The delays a message's handler threads measure are written on the worker slot's own
+    connection: a handler thread that opened one only for that write cost a new database session
+    (one per six calls at 8 per message under -P threads)."""
+    from django.db.backends.signals import connection_created
+
+    from dispatcher.models import CallQueue, KeyState, RateLimit
+    from dispatcher.worker import execute_many
+    from tests.test_lifecycle import claim_all
+
+    RateLimit.objects.set_policy("late:*", 100, timedelta(minutes=1))
+    # Four keys never measured: every call's delay is its key's first, so each is written.
+    calls = [CallQueue.objects.send("late_send", {"delay": 0.02}, keys=[f"late:{i}"]) for i in range(4)]
+    claimed = [c for call in calls for c in claim_all(call.key_set, 1).calls]
+    opened: list[object] = []
+
+    def count(sender, connection, **kwargs):
+        opened.append(connection)
+
+    connection_created.connect(count)
+    try:
+        assert execute_many([(c.id, c.dispatch_no) for c in claimed]) == {"done": 4}
+    finally:
+        connection_created.disconnect(count)
+    assert all(state.send_delay_us >= 20_000 for state in KeyState.objects.filter(key__startswith="late:"))
+    assert KeyState.objects.filter(key__startswith="late:").count() == 4
+    assert opened == []
