@@ -21,11 +21,14 @@ Only where it is safe: PostgreSQL with psycopg 3's client-side binding, in autoc
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from django.db import DatabaseError, connections, transaction
 
 from dispatcher import sql
+
+T = TypeVar("T")
 
 
 class Unfoldable(Exception):
@@ -60,9 +63,16 @@ def can_fold(db: str) -> bool:
         return False
     # Several statements in one query need client-side binding (psycopg 3's ClientCursor, which
     # Django uses unless OPTIONS["server_side_binding"]); the transaction's state is read from it.
-    return getattr(connection, "Database", object).__name__ == "psycopg" and not connection.settings_dict.get("OPTIONS", {}).get(
-        "server_side_binding"
-    )
+    psycopg3 = getattr(connection, "Database", object).__name__ == "psycopg"
+    return psycopg3 and not connection.settings_dict.get("OPTIONS", {}).get("server_side_binding")
+
+
+def folding(start: Callable[[bool], T]) -> T:
+    """Run ``start(fold)`` folded, and again in Django's transaction if it raised ``Unfoldable``."""
+    try:
+        return start(True)
+    except Unfoldable:
+        return start(False)
 
 
 @contextlib.contextmanager

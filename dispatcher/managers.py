@@ -21,7 +21,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
 from dispatcher.durations import parse_positive_duration
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, InvalidKey, InvalidParams
-from dispatcher.folded import Folded, Unfoldable, start_transaction
+from dispatcher.folded import Folded, folding, start_transaction
 from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import is_pattern, key_set, parse_key_set, read_key_set, resolve_keys, validate_policy_key
 from dispatcher.policies import validate as validate_shape
@@ -586,10 +586,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         keys = parse_key_set(head[0])
         cost = _json_value(head[3]) or {}
         costs = {key: cost.get(key, 1) for key in keys}
-        try:
-            return self._start_locked(call_id, dispatch_no, keys, costs, worker, may_wait, fold=True)
-        except Unfoldable:
-            return self._start_locked(call_id, dispatch_no, keys, costs, worker, may_wait, fold=False)
+        return folding(lambda fold: self._start_locked(call_id, dispatch_no, keys, costs, worker, may_wait, fold=fold))
 
     def _start_locked(
         self, call_id: int, dispatch_no: int, keys: list[str], costs: dict[str, int], worker: str,
@@ -683,10 +680,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                 live.append((index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
                 seen.add(call_id)
         try:
-            try:
-                results.update(self._start_group(live, worker, may_wait, fold=True))
-            except Unfoldable:
-                results.update(self._start_group(live, worker, may_wait, fold=False))
+            results.update(folding(lambda fold: self._start_group(live, worker, may_wait, fold=fold)))
         except _GroupRaced:
             for index, call_id, dispatch_no, _, _ in live:
                 results[index] = self.start(call_id, dispatch_no, worker, may_wait=may_wait)

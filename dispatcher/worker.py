@@ -251,10 +251,9 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
         ran = list(pool.map(_call_handler_in_pool, runs))
-    done = [(outcome, reported) for outcome, reported, _ in ran]
     # One call's (or the successes') failure to record must not strand the others: what could not
     # be recorded stays running until the rescue sweep returns it.
-    finished = [(run, outcome) for run, (outcome, _) in zip(runs, done, strict=True) if outcome.kind == AttemptOutcome.DONE]
+    finished = [(run, outcome) for run, (outcome, _, _) in zip(runs, ran, strict=True) if outcome.kind == AttemptOutcome.DONE]
     if finished:
         try:
             _record(
@@ -268,7 +267,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
             for run, _ in finished:
                 log.debug("run_done call=%s attempt=%s", run.call.id, run.attempt.number)
             outcomes["done"] = outcomes.get("done", 0) + len(finished)
-    for run, (outcome, reported) in zip(runs, done, strict=True):
+    for run, (outcome, reported, _) in zip(runs, ran, strict=True):
         try:
             if outcome.kind != AttemptOutcome.DONE:
                 state = _record_outcome(run.call, run.attempt, run.capped, outcome)
