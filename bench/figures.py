@@ -525,6 +525,88 @@ def http_threads(ctx: Context) -> list[Figure]:
     return figures
 
 
+def worker_phases(ctx: Context) -> list[Figure]:
+    """Where a call's time goes in a worker `-P threads -c 32` (``bench.phases``): the start, the
+    handler and the finish, each as wall time, the thread's CPU and its context switches, with
+    the worker process's CPU per call beside the plain task's on the same worker.
+
+    Under `-P threads` the process is bound by one GIL: its rate is about the CPU one GIL gives
+    over the CPU per call, and every blocked step waits to run again behind the other threads.
+    """
+    import redis
+    from django.db.models import Max, Min
+
+    from bench import phases
+    from bench.tasks import http_get
+    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from support.fakeapi import FakeAPI
+    from support.processes import wait_until
+
+    n = 600 if ctx.sizes is FULL else 300
+    api = FakeAPI().start()
+    url = f"{api.url}/slow?delay=0.1"
+    rows = ctx.log_dir / f"phases-{uuid.uuid4().hex[:8]}.jsonl"
+    procs = ctx.processes(**_http_env(), **{phases.ENV: str(rows)})
+    client = redis.Redis.from_url(ctx.redis_url)
+    counter = f"bench-phases-{uuid.uuid4().hex[:8]}"
+    try:
+        worker = procs.worker(ctx.queue, concurrency=32, pool="threads")
+        http_get.apply_async((url, counter), queue=ctx.queue)
+        check(wait_until(lambda: int(client.get(counter) or 0) >= 1, 60), "worker never started:\n" + procs.logs())
+        cpu = _process_cpu(worker.pid)
+        started = time.perf_counter()
+        for _ in range(n):
+            http_get.apply_async((url, counter), queue=ctx.queue)
+        check(wait_until(lambda: int(client.get(counter) or 0) >= n + 1, 300, interval=0.05), "plain tasks lost")
+        plain_rate = _rate(n, time.perf_counter() - started)
+        plain_cpu = (_process_cpu(worker.pid) - cpu) / n
+        reset_tables()
+        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
+        CallQueue.objects.send_many(
+            [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["api"]} for _ in range(n)]
+        )
+        cpu = _process_cpu(worker.pid)
+        dispenser = procs.dispenser()
+        check(_wait_done(n, 600), f"only {count_status('done')} of {n} calls done")
+        ours_cpu = (_process_cpu(worker.pid) - cpu) / n
+        procs.stop(dispenser)
+        check(Attempt.objects.count() == n, "a call ran twice")
+        span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
+        rate = _rate(n, (span["last"] - span["first"]).total_seconds())
+        procs.stop(worker)  # its shutdown writes the last rows
+    finally:
+        procs.stop_all()
+        api.stop()
+        client.delete(counter)
+        client.close()
+    check(rows.exists(), "the worker wrote no step timings (bench.phases not installed)")
+    found = phases.summary(rows)
+    check(found["calls"] >= n * 0.9, f"step timings for {found['calls']} of {n} calls")
+    steps = found["steps"]
+    return [
+        Figure(
+            f"a call's steps in 1 worker -P threads -c 32 ({n} calls to a 100 ms API; mean wall, thread CPU, "
+            "voluntary/involuntary switches)",
+            "; ".join(
+                f"{name} {s['wall_ms']:.1f} ms, {s['cpu_ms']:.2f} ms, {s['voluntary']:.0f}/{s['involuntary']:.0f}"
+                for name, s in steps.items()
+            ) + f"; {found['calls_per_group']:.2f} starts per group; worker CPU {ours_cpu * 1000:.2f} ms per call"
+            f" at {rate:,.0f}/s",
+            "-",
+            f"plain Celery task: worker CPU {plain_cpu * 1000:.2f} ms per call at {plain_rate:,.0f}/s",
+            None,
+            {**found, "rate": rate, "worker_cpu_ms": ours_cpu * 1000, "plain_rate": plain_rate,
+             "plain_worker_cpu_ms": plain_cpu * 1000},
+        )
+    ]
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds a process has used (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def worker_cpu(ctx: Context) -> list[Figure]:
     """The worker's own CPU per call, one thread in this process, no broker: the whole of
     ``dispatcher.worker.execute`` for an http call (start, handler, finish) beside the same GET
@@ -962,6 +1044,7 @@ ALL = {
     "completed": completed_calls,
     "http_threads": http_threads,
     "worker_cpu": worker_cpu,
+    "worker_phases": worker_phases,
     "enqueue": enqueue,
     "memory": dispenser_memory,
     "http_latency": http_latency,
