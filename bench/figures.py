@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from bench.support import (
     Broker,
@@ -435,6 +436,87 @@ def completed_calls(ctx: Context) -> list[Figure]:
     return figures
 
 
+class _HttpWorkload:
+    """n calls to a local API that answers after 100 ms, as plain Celery tasks or as our calls
+    (one policy that never binds), on whatever worker serves ``ctx.queue``."""
+
+    def __init__(self, ctx: Context, n: int, **env: str) -> None:
+        import redis
+
+        from support.fakeapi import FakeAPI
+
+        self.ctx, self.n = ctx, n
+        self.api = FakeAPI().start()
+        self.url = f"{self.api.url}/slow?delay=0.1"
+        self.procs = ctx.processes(**_http_env(), **env)
+        self.client = redis.Redis.from_url(ctx.redis_url)
+        self.counter = f"bench-http-{uuid.uuid4().hex[:8]}"
+
+    def worker(self, threads: int, **env: str):
+        """Start a `-P threads` worker and wait until it runs a plain task (its client made)."""
+        from bench.tasks import http_get
+        from support.processes import wait_until
+
+        worker = self.procs.worker(self.ctx.queue, concurrency=threads, pool="threads", extra_env=env)
+        self.client.set(self.counter, 0)
+        http_get.apply_async((self.url, self.counter), queue=self.ctx.queue)
+        check(wait_until(lambda: int(self.client.get(self.counter) or 0) >= 1, 60),
+              "worker never started:\n" + self.procs.logs())
+        return worker
+
+    def plain(self) -> float:
+        """Seconds for n plain tasks, from the first publish to the last count."""
+        from bench.tasks import http_get
+        from support.processes import wait_until
+
+        self.client.set(self.counter, 0)
+        started = time.perf_counter()
+        for _ in range(self.n):
+            http_get.apply_async((self.url, self.counter), queue=self.ctx.queue)
+        check(wait_until(lambda: int(self.client.get(self.counter) or 0) >= self.n, 300, interval=0.05),
+              "plain tasks lost")
+        return time.perf_counter() - started
+
+    def ours(self, per_message: int = 1) -> float:
+        """Seconds for n http calls, from the first start to the last finish; none lost or run twice."""
+        from django.db.models import Max, Min
+
+        from dispatcher.models import Attempt, CallQueue, RateLimit
+
+        reset_tables()
+        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
+        CallQueue.objects.send_many(
+            [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
+        )
+        dispenser = self.procs.dispenser(extra_env={"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)})
+        check(_wait_done(self.n, 600), f"only {count_status('done')} of {self.n} calls done")
+        self.procs.stop(dispenser)
+        check(CallQueue.objects.filter(status="done").count() == self.n, "calls lost")
+        check(Attempt.objects.count() == self.n, "a call ran twice")
+        span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
+        return (span["last"] - span["first"]).total_seconds()
+
+    def close(self) -> None:
+        self.procs.stop_all()
+        self.api.stop()
+        self.client.delete(self.counter)
+        self.client.close()
+
+
+def _http_figure(what: str, n: int, seconds: list[float], plain_seconds: list[float], **data: Any) -> Figure:
+    """A row of our calls' rate (all their phases together) beside the plain task's."""
+    rate, baseline = _rate(n * len(seconds), sum(seconds)), _rate(n * len(plain_seconds), sum(plain_seconds))
+    return Figure(
+        f"completed calls ({n:,} to a 100 ms API, http handler, {what})",
+        f"{rate:,.0f}/s ({rate / baseline:.2f}x)",
+        ">= 0.8x baseline",
+        f"plain Celery task, pooled client {baseline:,.0f}/s",
+        rate >= 0.8 * baseline,
+        {"rate": rate, "baseline": baseline, "ratio": rate / baseline, "each_rate": [_rate(n, s) for s in seconds],
+         "each_baseline": [_rate(n, s) for s in plain_seconds], **data},
+    )
+
+
 def http_threads(ctx: Context) -> list[Figure]:
     """Calls to a local API that answers after 100 ms, a policy that does not bind, one worker `-P threads -c 32`.
 
@@ -444,85 +526,66 @@ def http_threads(ctx: Context) -> list[Figure]:
     run to run on this machine; each side's figure is its calls over its phases' time together,
     and the JSON keeps each phase's rate.
     """
-    import redis
-    from django.db.models import Max, Min
-
-    from bench.tasks import http_get
-    from dispatcher.models import Attempt, CallQueue, RateLimit
-    from support.fakeapi import FakeAPI
-    from support.processes import wait_until
-
     # 600 as in the issue's anchor; 300 in quick mode, which CI runs under a time limit.
     n = 600 if ctx.sizes is FULL else 300
     rounds = 3 if ctx.sizes is FULL else 1
-    api = FakeAPI().start()
-    url = f"{api.url}/slow?delay=0.1"
-    procs = ctx.processes(**_http_env())
-    client = redis.Redis.from_url(ctx.redis_url)
-    counter = f"bench-http-{uuid.uuid4().hex[:8]}"
-
-    def plain() -> float:
-        """Seconds for n plain tasks, from the first publish to the last count."""
-        client.set(counter, 0)
-        started = time.perf_counter()
-        for _ in range(n):
-            http_get.apply_async((url, counter), queue=ctx.queue)
-        check(wait_until(lambda: int(client.get(counter) or 0) >= n, 300, interval=0.05), "plain tasks lost")
-        return time.perf_counter() - started
-
-    def ours(per_message: int) -> float:
-        """Seconds for n http calls, from the first start to the last finish."""
-        reset_tables()
-        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
-        CallQueue.objects.send_many(
-            [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["api"]} for _ in range(n)]
-        )
-        dispenser = procs.dispenser(extra_env={"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)})
-        check(_wait_done(n, 600), f"only {count_status('done')} of {n} calls done")
-        procs.stop(dispenser)
-        check(CallQueue.objects.filter(status="done").count() == n, "calls lost")
-        check(Attempt.objects.count() == n, "a call ran twice")
-        span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
-        return (span["last"] - span["first"]).total_seconds()
-
+    load = _HttpWorkload(ctx, n)
     plain_seconds: list[float] = []
     runs: dict[tuple[int, int], list[float]] = {(32, 1): [], (4, 8): []}
     try:
-        worker = procs.worker(ctx.queue, concurrency=32, pool="threads")
-        http_get.apply_async((url, counter), queue=ctx.queue)
-        check(wait_until(lambda: int(client.get(counter) or 0) >= 1, 60), "worker never started:\n" + procs.logs())
+        worker = load.worker(32)
         # One call per message on the baseline's worker, alternating with the baseline.
         for _ in range(rounds):
-            plain_seconds.append(plain())
-            runs[(32, 1)].append(ours(1))
+            plain_seconds.append(load.plain())
+            runs[(32, 1)].append(load.ours(1))
         # Then 8 calls per message on a worker of 4 threads, whose messages run their calls 8
         # at a time: 32 calls at once, as above.
-        procs.stop(worker)
-        procs.worker(ctx.queue, concurrency=4, pool="threads")
+        load.procs.stop(worker)
+        load.worker(4)
         for _ in range(rounds):
-            runs[(4, 8)].append(ours(8))
+            runs[(4, 8)].append(load.ours(8))
     finally:
-        procs.stop_all()
-        api.stop()
-        client.delete(counter)
-        client.close()
-    baseline = _rate(n * rounds, sum(plain_seconds))
-    figures = []
-    for (threads, per_message), seconds in runs.items():
-        rate = _rate(n * len(seconds), sum(seconds))
-        figures.append(Figure(
-            f"completed calls ({n:,} to a 100 ms API, http handler, 1 worker -P threads -c {threads}"
-            + (f", {per_message} per message" if per_message > 1 else "")
-            + (f", {rounds} runs" if rounds > 1 else "") + ")",
-            f"{rate:,.0f}/s ({rate / baseline:.2f}x)",
-            ">= 0.8x baseline",
-            f"plain Celery task, pooled client {baseline:,.0f}/s",
-            rate >= 0.8 * baseline,
-            {"rate": rate, "baseline": baseline, "ratio": rate / baseline, "calls_per_message": per_message,
-             "threads": threads, "rounds": rounds, "each_rate": [_rate(n, s) for s in seconds],
-             "each_baseline": [_rate(n, s) for s in plain_seconds], "connections": api.connections},
-        ))
-    return figures
+        load.close()
+    return [
+        _http_figure(
+            f"1 worker -P threads -c {threads}" + (f", {per_message} per message" if per_message > 1 else "")
+            + (f", {rounds} runs" if rounds > 1 else ""),
+            n, seconds, plain_seconds,
+            calls_per_message=per_message, threads=threads, rounds=rounds, connections=load.api.connections,
+        )
+        for (threads, per_message), seconds in runs.items()
+    ]
+
+
+def http_threads_helper(ctx: Context) -> list[Figure]:
+    """An experiment (``bench.helper``, run only when named): the `-c 32` row of ``http_threads``
+    with the worker's starts and successful finishes done by a helper process, alternating with
+    the worker as it is, each beside the plain task on its own worker.
+    """
+    from bench import helper
+
+    n = 600 if ctx.sizes is FULL else 300
+    rounds = 3 if ctx.sizes is FULL else 1
+    load = _HttpWorkload(ctx, n)
+    plain_seconds: dict[bool, list[float]] = {False: [], True: []}
+    runs: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for _ in range(rounds):
+            for helped in (False, True):
+                worker = load.worker(32, **({helper.ENV: "1"} if helped else {}))
+                plain_seconds[helped].append(load.plain())
+                runs[helped].append(load.ours())
+                load.procs.stop(worker)
+    finally:
+        load.close()
+    return [
+        _http_figure(
+            "1 worker -P threads -c 32, " + ("starts and finishes in a helper process" if helped else "as it is")
+            + (f", {rounds} runs" if rounds > 1 else ""),
+            n, runs[helped], plain_seconds[helped], helper=helped, rounds=rounds,
+        )
+        for helped in (False, True)
+    ]
 
 
 def worker_phases(ctx: Context) -> list[Figure]:
@@ -533,55 +596,24 @@ def worker_phases(ctx: Context) -> list[Figure]:
     Under `-P threads` the process is bound by one GIL: its rate is about the CPU one GIL gives
     over the CPU per call, and every blocked step waits to run again behind the other threads.
     """
-    import redis
-    from django.db.models import Max, Min
-
     from bench import phases
-    from bench.tasks import http_get
-    from dispatcher.models import Attempt, CallQueue, RateLimit
-    from support.fakeapi import FakeAPI
-    from support.processes import wait_until
 
     n = 600 if ctx.sizes is FULL else 300
-    api = FakeAPI().start()
-    url = f"{api.url}/slow?delay=0.1"
     rows = ctx.log_dir / f"phases-{uuid.uuid4().hex[:8]}.jsonl"
-    procs = ctx.processes(**_http_env(), **{phases.ENV: str(rows)})
-    client = redis.Redis.from_url(ctx.redis_url)
-    counter = f"bench-phases-{uuid.uuid4().hex[:8]}"
+    load = _HttpWorkload(ctx, n, **{phases.ENV: str(rows)})
     try:
-        worker = procs.worker(ctx.queue, concurrency=32, pool="threads")
-        http_get.apply_async((url, counter), queue=ctx.queue)
-        check(wait_until(lambda: int(client.get(counter) or 0) >= 1, 60), "worker never started:\n" + procs.logs())
+        worker = load.worker(32)
         cpu = _process_cpu(worker.pid)
-        started = time.perf_counter()
-        for _ in range(n):
-            http_get.apply_async((url, counter), queue=ctx.queue)
-        check(wait_until(lambda: int(client.get(counter) or 0) >= n + 1, 300, interval=0.05), "plain tasks lost")
-        plain_rate = _rate(n, time.perf_counter() - started)
+        plain_rate = _rate(n, load.plain())
         plain_cpu = (_process_cpu(worker.pid) - cpu) / n
-        reset_tables()
-        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
-        CallQueue.objects.send_many(
-            [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["api"]} for _ in range(n)]
-        )
         cpu = _process_cpu(worker.pid)
-        dispenser = procs.dispenser()
-        check(_wait_done(n, 600), f"only {count_status('done')} of {n} calls done")
+        rate = _rate(n, load.ours())
         ours_cpu = (_process_cpu(worker.pid) - cpu) / n
-        procs.stop(dispenser)
-        check(Attempt.objects.count() == n, "a call ran twice")
-        span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
-        rate = _rate(n, (span["last"] - span["first"]).total_seconds())
-        procs.stop(worker)  # its shutdown writes the last rows
+        load.procs.stop(worker)  # its shutdown writes the last rows
     finally:
-        procs.stop_all()
-        api.stop()
-        client.delete(counter)
-        client.close()
-    check(rows.exists(), "the worker wrote no step timings (bench.phases not installed)")
+        load.close()
     found = phases.summary(rows)
-    check(found["calls"] >= n * 0.9, f"step timings for {found['calls']} of {n} calls")
+    check(found["calls"] >= n * 0.9, f"step timings for {found['calls']} of {n} calls (bench.phases not installed?)")
     steps = found["steps"]
     return [
         Figure(
@@ -1049,4 +1081,9 @@ ALL = {
     "memory": dispenser_memory,
     "http_latency": http_latency,
     "http_hostile": http_hostile,
+}
+
+# Run only when named with --only: experiments, not figures of the product.
+EXPERIMENTS = {
+    "http_threads_helper": http_threads_helper,
 }

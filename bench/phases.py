@@ -94,7 +94,9 @@ STEPS = ("start", "handler", "finish")
 
 def summary(path: Path) -> dict[str, Any]:
     """Mean per call of each step (wall ms, CPU ms, voluntary and involuntary switches) and the start groups."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not rows:
+        return {"calls": 0, "steps": {}, "groups": 0, "calls_per_group": 0.0}
     steps: dict[str, dict[str, float]] = {}
     for index, step in enumerate(STEPS):
         deltas = [[b - a for a, b in zip(row[index], row[index + 1], strict=True)] for row in rows]

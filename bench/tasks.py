@@ -6,13 +6,15 @@ import os
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutdown
 
-from bench import phases
+from bench import helper, phases
 
 _client = None
 
 if os.environ.get(phases.ENV):  # the worker_phases benchmark's worker times its calls' steps
     worker_ready.connect(phases.install, weak=False)
     worker_shutdown.connect(phases.flush, weak=False)
+if os.environ.get(helper.ENV):  # the http_threads_helper experiment's worker
+    worker_ready.connect(helper.install, weak=False)
 
 
 @shared_task(name="bench.count", ignore_result=True)
