@@ -39,7 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
     parser.add_argument("--keep-db", action="store_true", help="leave the benchmark database in place")
     args = parser.parse_args(argv)
+    from support.processes import install_stop_signals
 
+    # A run stopped by SIGTERM (e.g. `timeout`) unwinds as Ctrl-C does: each benchmark stops the
+    # workers and dispensers it started, and the database is dropped. Left running, they would
+    # join the next run, whose database has the same name.
+    restore = install_stop_signals()
+    try:
+        return _run(parser, args)
+    finally:
+        restore()
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     db_url = os.environ.get("BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/bench_dispatcher")
     redis_url = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
     amqp_url = os.environ.get("BENCH_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//") or None
