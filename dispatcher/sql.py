@@ -33,14 +33,9 @@ READ_CLOCK = f"SELECT {CLOCK}"
 NOTIFY = "SELECT pg_notify(%s, '')"
 
 
-# True: every operation takes its portable ORM path on PostgreSQL too (tests/test_paths.py sets
-# it to compare the two paths' rows).
-portable_only = False
-
-
 def postgresql_path(alias: str) -> bool:
     """Whether an operation on the database ``alias`` takes its PostgreSQL statement, not the ORM's path."""
-    return connections[alias].vendor == "postgresql" and not portable_only
+    return connections[alias].vendor == "postgresql"
 
 
 def _meta(model: str) -> Options:

@@ -35,7 +35,7 @@ T = TypeVar("T")
 # Waits for a slot a call was claimed ahead of, before the start defers it.
 EARLY_TRIES = 3
 # How much before its slot a worker that came early tries again: half the time a start waits
-# for its slot holding the key locks (queries.HOLD_FOR_SLOT, 30 ms).
+# for its slot holding the key locks (calls.start.HOLD_FOR_SLOT, 30 ms).
 EARLY_WAKE = 0.015
 # About 6 s of retries in all: long enough to ride out a failover or a killed connection.
 RECORD_TRIES = 6

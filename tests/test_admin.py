@@ -9,6 +9,7 @@ from django.test import Client
 
 from dispatcher.clock import db_now
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from tests.claims import claim
 from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
@@ -429,11 +430,10 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer, make_
     minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
     log_starts("api", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
     log_starts("crm", [now - timedelta(minutes=5)])
-    from dispatcher.limiter import Policies
 
     # Two calls of the bucket dispatched, not started: their tokens are promised.
     shop_calls = [make_call(keys=["shop"]) for _ in range(3)]
-    assert len(CallQueue.objects.claim(shop_calls[0].key_set, 2, Policies.load()).calls) == 2
+    assert len(claim(shop_calls[0].key_set, 2).calls) == 2
     page = viewer.get(DASHBOARD).content.decode()
     # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
     assert "limit 10.0/min" in page and "1.67" not in page

@@ -13,10 +13,10 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import User
 
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, RateLimit
 from dispatcher.worker import execute
 from support.processes import ROOT, database_url, wait_until
+from tests.claims import claim
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -125,7 +125,7 @@ def test_dashboard_draws_the_chart_with_axes_and_limit(browser_page, server, art
     RateLimit.objects.set_policy("greeter", 30, timedelta(minutes=1))
     for name in ("a", "b", "c"):
         call = CallQueue.objects.send("greet", {"name": name})
-        claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
+        claimed = claim(call.key_set, 1).calls[0]
         execute(claimed.id, claimed.dispatch_no)
     CallQueue.objects.send("greet", {"name": "waiting"})
     page = browser_page

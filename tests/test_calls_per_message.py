@@ -10,6 +10,7 @@ import pytest
 from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import wait_until
+from tests.claims import claim
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -50,13 +51,12 @@ def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, f
 def test_a_stale_delivery_in_a_message_does_not_stop_the_others(procs, fake_api):
     from kombu import Connection
 
-    from dispatcher.limiter import Policies
     from dispatcher.tasks import run_calls
 
     first, second = (
         CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/ok/{i}"}) for i in range(2)
     )
-    claimed = CallQueue.objects.claim(first.key_set, 2, Policies.load()).calls
+    claimed = claim(first.key_set, 2).calls
     stale = [claimed[0].id, claimed[0].dispatch_no + 7]
     with Connection(procs.env["CELERY_BROKER_URL"]) as conn:
         run_calls.apply_async(([stale, *([c.id, c.dispatch_no] for c in claimed)],), queue=procs.queue, connection=conn)

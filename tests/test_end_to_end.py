@@ -14,6 +14,7 @@ from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import ROOT, Processes, wait_until
 from tests.calls import all_finished, latency_spread, partner_call, start_times
+from tests.claims import claim
 
 
 @pytest.mark.postgres
@@ -96,11 +97,10 @@ def test_retries_and_429_through_real_workers(procs, fake_api):
 def test_a_duplicate_celery_message_runs_the_handler_once(procs, fake_api):
     from kombu import Connection
 
-    from dispatcher.limiter import Policies
     from dispatcher.tasks import run_call
 
     call = partner_call(fake_api, "/ok/dup", "a", 1)
-    claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
+    claimed = claim(call.key_set, 1).calls[0]
     # This process's own broker is the embedded one; publish to the workers' Redis directly.
     with Connection(procs.env["CELERY_BROKER_URL"]) as conn:
         for _ in range(2):

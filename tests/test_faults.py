@@ -15,6 +15,7 @@ from dispatcher.models import Attempt, CallQueue, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import wait_until
 from tests.calls import all_finished, http_call, statuses
+from tests.claims import claim
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -246,7 +247,7 @@ def test_duplicate_and_stale_messages_run_the_handler_at_most_once_per_attempt(p
     app = publisher(redis_url)
     procs.worker(procs.queue, concurrency=2)
     [call_id] = send_http(fake_api, "/slow?delay=0.3", 1)
-    claimed = CallQueue.objects.claim('["api"]', 1, limiter.Policies.load()).calls
+    claimed = claim('["api"]', 1, limiter.Policies.load()).calls
     assert [c.id for c in claimed] == [call_id]
     dispatch_no = claimed[0].dispatch_no
     # The same message twice, as a redelivery would bring it.

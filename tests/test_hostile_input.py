@@ -17,6 +17,7 @@ from django.test import Client
 from dispatcher.exceptions import InvalidCall, InvalidKey, InvalidParams
 from dispatcher.models import CallQueue, KeyState, RateLimit
 from support.processes import wait_until
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db
 
@@ -306,13 +307,12 @@ def test_a_real_worker_runs_a_call_stored_in_year_1_bc_and_one_with_a_result_too
 
 @pytest.mark.parametrize("params", [{"retry_after": 1e20}, {"retry_after": float("nan")}, {"huge": True}, {"retry_after": -5}])
 def test_a_retry_after_out_of_range_defers_the_call_instead_of_crashing_the_worker(params):
-    from dispatcher.limiter import Policies
     from dispatcher.worker import execute
 
     if params.get("retry_after") != params.get("retry_after"):
         params = {"retry_after": "nan"}
     call = CallQueue.objects.send("slow_down", params)
-    claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
+    claimed = claim(call.key_set, 1).calls[0]
     assert execute(claimed.id, claimed.dispatch_no) == "rate_limited"
     call.refresh_from_db()
     assert call.status == "pending" and call.deferrals == 1

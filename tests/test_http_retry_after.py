@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.worker import execute
 from support.fakeapi import FakeAPI
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def run_next(n: int = 1) -> list[str]:
     """Claim up to ``n`` due calls of the key set and run them here, in order."""
     key_set = CallQueue.objects.filter(status="pending").values_list("key_set", flat=True).first()
-    claimed = CallQueue.objects.claim(key_set, n, Policies.load()).calls if key_set else []
+    claimed = claim(key_set, n).calls if key_set else []
     return [execute(c.id, c.dispatch_no) for c in claimed]
 
 
@@ -100,7 +100,7 @@ def test_r_remaining_caps_the_starts_before_the_reset_at_r_less_the_calls_in_fli
         RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=60))  # far too loose
         send(api, 10)
         key_set = CallQueue.objects.first().key_set
-        first, second, answered = CallQueue.objects.claim(key_set, 3, Policies.load()).calls
+        first, second, answered = claim(key_set, 3).calls
         for call in (first, second):  # in flight: started, not yet arrived
             assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
         assert execute(answered.id, answered.dispatch_no) == "done"
@@ -108,8 +108,8 @@ def test_r_remaining_caps_the_starts_before_the_reset_at_r_less_the_calls_in_fli
         budget = LearntLimit.objects.get(key="partner", source="x-ratelimit:remaining")
         assert "5 remaining" in budget.signal and "3 may start before the reset" in budget.signal
         # Every window the limiter reads admits three more starts, then none before the reset.
-        assert len(CallQueue.objects.claim(key_set, 10, Policies.load()).calls) == 3
-        assert CallQueue.objects.claim(key_set, 10, Policies.load()).calls == []
+        assert len(claim(key_set, 10).calls) == 3
+        assert claim(key_set, 10).calls == []
     finally:
         api.stop()
 
@@ -125,6 +125,6 @@ def test_r_remaining_with_nothing_in_flight_caps_at_r():
         send(api, 10)
         assert run_next(1) == ["done"]  # 3 remain
         key_set = CallQueue.objects.filter(status="pending").first().key_set
-        assert len(CallQueue.objects.claim(key_set, 10, Policies.load()).calls) == 3
+        assert len(claim(key_set, 10).calls) == 3
     finally:
         api.stop()

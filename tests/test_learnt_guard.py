@@ -215,7 +215,8 @@ def test_a_late_send_moves_the_keys_buckets_on_by_how_late_it_was():
 def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_wait(monkeypatch):
     """The wait for a slot (holding the key locks) is no start-to-send delay: the worker measures
     the send from the clock read after it, which the start is judged and recorded on (or later)."""
-    from dispatcher import arrivals, managers
+    from dispatcher import arrivals
+    from dispatcher.calls import start
     from dispatcher.models import CallQueue, RateLimit
     from tests.test_lifecycle import claim_all
 
@@ -227,8 +228,8 @@ def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_w
     events: list[str] = []
     real_mark = arrivals.mark_clock
     monkeypatch.setattr(arrivals, "mark_clock", lambda: (events.append("mark"), real_mark())[1])
-    monkeypatch.setattr(managers.time, "sleep", lambda seconds: events.append("wait"))
-    monkeypatch.setattr(managers, "HOLD_FOR_SLOT", timedelta(minutes=2))
+    monkeypatch.setattr(start.time, "sleep", lambda seconds: events.append("wait"))
+    monkeypatch.setattr(start, "HOLD_FOR_SLOT", timedelta(minutes=2))
     started = CallQueue.objects.start(second.id, second.dispatch_no, "w", may_wait=timedelta(minutes=2))
     assert started.state == "early"  # the wait was skipped here: the slot is still a minute away
     assert events == ["mark", "wait", "mark"]

@@ -5,15 +5,15 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.limiter import Policies
 from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
 from dispatcher.worker import execute
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def claim_all(key_set_text: str, limit: int = 100):
-    return CallQueue.objects.claim(key_set_text, limit, Policies.load())
+    return claim(key_set_text, limit)
 
 
 def claim_one(call: CallQueue):

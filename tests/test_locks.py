@@ -19,9 +19,9 @@ from django.db import connection, connections, transaction
 
 from dispatcher import limiter
 from dispatcher.clock import db_now
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyState
 from support.processes import wait_until
+from tests.claims import claim as claim_key_set
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -98,7 +98,7 @@ class InThread:
 
 
 def claim(key_set: str, limit: int = 10) -> list[int]:
-    return [c.id for c in CallQueue.objects.claim(key_set, limit, Policies.load()).calls]
+    return [c.id for c in claim_key_set(key_set, limit).calls]
 
 
 def lock_calls(*ids: int) -> Callable[[], Any]:

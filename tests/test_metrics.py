@@ -7,9 +7,9 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, RateLimit
 from dispatcher.worker import execute
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -29,7 +29,7 @@ def test_metrics_report_calls_starts_and_limiter_use(client, settings):
     failed = CallQueue.objects.send("explode", {"permanent": True})
     CallQueue.objects.send("greet", {"name": "b"})
     for call in (done, failed):
-        claimed = CallQueue.objects.claim(call.key_set, 1, Policies.load()).calls[0]
+        claimed = claim(call.key_set, 1).calls[0]
         execute(claimed.id, claimed.dispatch_no)
     response = client.get("/metrics", HTTP_AUTHORIZATION="Bearer m-token")
     assert response.status_code == 200

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 from dispatcher import CostNeverFits, limiter
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.policies import TokenBucket
+from tests.claims import claim
 
 KEY_SETS = [["a"], ["b"], ["a", "b"], ["p:1"], ["p:2", "a"]]
 KEYS = sorted({k for ks in KEY_SETS for k in ks})
@@ -112,7 +113,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
         def dispense(self, batch: int) -> None:
             policies = limiter.Policies.load()
             for text in CallQueue.objects.waiting_key_sets():
-                for claimed in CallQueue.objects.claim(text, batch, policies).calls:
+                for claimed in claim(text, batch, policies).calls:
                     # The publish, recorded instead of sent to a broker.
                     self.messages.append((claimed.id, claimed.dispatch_no))
 

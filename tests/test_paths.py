@@ -1,9 +1,9 @@
 """PostgreSQL's statements and the portable ORM path leave the same rows.
 
 Where PostgreSQL takes a statement of its own (send, send_many, the claim, the start, the
-finish: ``CallQueueManager._x_postgresql`` beside ``_x_portable``; the limiter's key locks and
+finish: ``_x_postgresql`` beside ``_x_portable`` in ``dispatcher.calls``; the limiter's key locks and
 policy loading), the SQLite pass of the suite runs only the portable path. Here one scenario
-runs on PostgreSQL twice, once as it ships and once with ``sql.portable_only`` forcing the
+runs on PostgreSQL twice, once as it ships and once with ``sql.postgresql_path`` answering no, forcing the
 ORM path, on the same clock, and the calls,
 attempts, start log, key counters and bucket state it leaves must be the same.
 """
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 import dispatcher.limiter
-import dispatcher.managers
 import dispatcher.sql
 from dispatcher import limiter
-from dispatcher.managers import CallQueueManager
+from dispatcher.calls import dispense, finish, rows, send, start, sweep
+from dispatcher.limits import edit
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
@@ -30,8 +30,9 @@ NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 def fixed_clock(monkeypatch, settings):
     settings.DISPATCHER_RETRY_JITTER = 0
     clock = lambda using=None: NOW  # noqa: E731
-    monkeypatch.setattr(dispatcher.managers, "db_now", clock)
-    monkeypatch.setattr(dispatcher.limiter, "db_now", clock)
+    for module in (dispense, finish, rows, send, start, sweep, edit, dispatcher.limiter):
+        if hasattr(module, "db_now"):
+            monkeypatch.setattr(module, "db_now", clock)
     monkeypatch.setattr(limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
 
 
@@ -100,7 +101,7 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
     postgresql_said = _scenario()
     postgresql_rows = _rows()
     _forget()
-    monkeypatch.setattr(dispatcher.sql, "portable_only", True)
+    monkeypatch.setattr(dispatcher.sql, "postgresql_path", lambda alias: False)
     portable_said = _scenario()
     portable_rows = _rows()
 
@@ -115,12 +116,13 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
 
 
 def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
-    monkeypatch.setattr(dispatcher.sql, "portable_only", True)
+    monkeypatch.setattr(dispatcher.sql, "postgresql_path", lambda alias: False)
     taken = []
-    for name in ("_claim_rows_postgresql", "_mark_running_postgresql", "_finish_postgresql"):
-        monkeypatch.setattr(CallQueueManager, name, lambda *a, name=name, **k: taken.append(name))
-    for name in ("insert_one", "insert_many"):
-        monkeypatch.setattr(dispatcher.managers, name, lambda *a, name=name, **k: taken.append(name))
+    for module, name in (
+        (dispense, "_claim_rows_postgresql"), (start, "_mark_running_postgresql"), (finish, "_finish_postgresql"),
+        (send, "insert_one"), (send, "insert_many"),
+    ):
+        monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
     monkeypatch.setattr(dispatcher.limiter, "_policies_sql", lambda *a: taken.append("_policies_sql"))
     monkeypatch.setattr(dispatcher.sql, "lock_key_states", lambda: taken.append("lock_key_states"))
     _scenario()

@@ -10,9 +10,9 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatcher import dispenser as dispenser_module
 from dispatcher.dispenser import Dispenser
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyState, RateLimit
 from dispatcher.worker import execute
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -89,7 +89,7 @@ def test_on_postgresql_a_pass_costs_the_same_queries_however_many_key_sets_it_se
 def test_a_worker_run_of_one_call_costs_a_pinned_number_of_queries(published):
     RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
     calls = [CallQueue.objects.send("noop", keys=["bench:0"]) for _ in range(2)]
-    first, second = CallQueue.objects.claim(calls[0].key_set, 2, Policies.load()).calls
+    first, second = claim(calls[0].key_set, 2).calls
     # The first run reads the policies it then keeps (one query more on PostgreSQL) and writes
     # the key's first measured delay.
     with CaptureQueriesContext(connection) as queries:
@@ -109,7 +109,7 @@ def test_a_message_of_ten_calls_costs_the_queries_of_fewer_than_one_call(publish
 
     RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
     calls = [CallQueue.objects.send("noop", keys=[f"bench:{i % 2}"]) for i in range(12)]
-    claimed = [c for key_set in {c.key_set for c in calls} for c in CallQueue.objects.claim(key_set, 6, Policies.load()).calls]
+    claimed = [c for key_set in {c.key_set for c in calls} for c in claim(key_set, 6).calls]
     assert execute(claimed[0].id, claimed[0].dispatch_no) == "done"  # keeps the policies, as a worker would
     assert execute(claimed[1].id, claimed[1].dispatch_no) == "done"
     # Measured, their delays no larger than the ones kept: none is written (a write would be one

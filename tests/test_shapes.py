@@ -13,12 +13,13 @@ from dispatcher.limiter import Policies
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.status import key_statuses
 from dispatcher.worker import execute
+from tests.claims import claim
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def claim_all(key_set_text: str, limit: int = 100):
-    return CallQueue.objects.claim(key_set_text, limit, Policies.load())
+    return claim(key_set_text, limit)
 
 
 def run_all(claimed) -> list[str]:

@@ -9,11 +9,11 @@ from asgiref.sync import async_to_sync
 from django.db import transaction
 
 from dispatcher.exceptions import InvalidCall
-from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyStart, RateLimit
 from dispatcher.worker import execute
 from support.fakeapi import max_in_window
 from support.processes import wait_until
+from tests.claims import claim
 from tests.testapp.tasks import add, add_later, fail, fetch_account
 
 try:
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def run_due(key_set: str) -> None:
     """Claim the due calls of a key set and run them through the worker's code, in this process."""
-    for claimed in CallQueue.objects.claim(key_set, 100, Policies.load()).calls:
+    for claimed in claim(key_set, 100).calls:
         execute(claimed.id, claimed.dispatch_no)
 
 
@@ -104,9 +104,9 @@ def test_keys_from_options_bind_the_policy():
     calls = {c.pk: c for c in CallQueue.objects.all()}
     assert calls[int(results[0].id)].keys == ["partner", "partner:acme"]
     assert calls[int(other.id)].keys == ["partner", "partner:globex"]
-    claimed = CallQueue.objects.claim(calls[int(results[0].id)].key_set, 100, Policies.load())
+    claimed = claim(calls[int(results[0].id)].key_set, 100)
     assert len(claimed.calls) == 2 and claimed.verdict.blocked
-    assert CallQueue.objects.claim(calls[int(other.id)].key_set, 100, Policies.load()).calls
+    assert claim(calls[int(other.id)].key_set, 100).calls
 
 
 def test_results_read_back_done_and_failed_with_the_error():

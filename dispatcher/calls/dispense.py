@@ -1,0 +1,234 @@
+"""Dispense: claim due calls under their keys' room in one short transaction, and put back unpublished ones."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import connections, transaction
+from django.db.models import F
+
+from dispatcher import limiter, sql
+from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
+from dispatcher.exceptions import InvalidKey
+from dispatcher.keys import parse_key_set, read_key_set
+from dispatcher.states import CallStatus as Status
+
+if TYPE_CHECKING:
+    from dispatcher.managers import CallQueueManager
+
+log = logging.getLogger("dispatcher")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A call a dispenser has claimed and must now publish."""
+
+    id: int
+    dispatch_no: int
+    queue: str
+    key_set: str
+    priority: int = 0
+    # Units per key when any differs from 1 (the call's ``cost``).
+    cost: dict[str, int] | None = None
+
+    def units(self, key: str) -> int:
+        return (self.cost or {}).get(key, 1)
+
+
+@dataclass
+class BatchClaim:
+    """The calls a pass claimed, and each key set's room as the pass found it."""
+
+    calls: list[Claimed]
+    verdicts: dict[str, limiter.Verdict]
+
+
+def waiting_key_sets(
+    manager: CallQueueManager, after: str | None = None, limit: int = 10_000) -> list[str]:
+    """Return the distinct key sets of waiting calls, in order, one index probe each."""
+    # A loose index scan: each step asks the partial index for the next key set.
+    with connections[manager.db].cursor() as cursor:
+        cursor.execute(sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
+        return [row[0] for row in cursor.fetchall()]
+
+
+def claim_batch(
+    manager: CallQueueManager, key_sets: Sequence[str], budget: int, policies: limiter.Policies) -> BatchClaim:
+    """Claim up to ``budget`` due calls across key sets, sharing it in rounds, in one transaction.
+
+    Each round asks every key set still in play for an equal share of what is left (no more
+    than its keys have room for) in one statement; a key set that fills its share may take
+    more in the next round, so one backlog cannot crowd out a key that has room.
+    """
+    result = BatchClaim([], {})
+    parsed: dict[str, list[str]] = {}
+    for text in key_sets:
+        try:
+            parsed[text] = read_key_set(text)
+        except InvalidKey as exc:
+            # A row written by hand: its keys cannot be limited, so its calls cannot run.
+            fail_unreadable(manager, manager.filter(status=Status.PENDING, key_set=text), str(exc))
+            result.verdicts[text] = limiter.Verdict(room=0, reason=str(exc))
+    all_keys = sorted({key for keys in parsed.values() for key in keys})
+    # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
+    with transaction.atomic(using=manager.db):
+        states = limiter.lock_keys(all_keys, using=manager.db)
+        now = db_now(manager.db)
+        # Judge the windows a little ahead, so a call claimed for a slot about to free
+        # reaches its worker as the slot frees; the start re-checks on the clock of then.
+        at = now + dispatcher_settings.DISPATCH_AHEAD
+        by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db)
+        room = {key: verdict.room for key, verdict in by_key.items()}
+        # A key's first call of the pass may cost more than its room when its bucket admits
+        # one call beyond its depth (TokenBucket.alone): nothing else is promised then.
+        alone = {key: verdict.largest for key, verdict in by_key.items()}
+        active = []
+        for text, keys in parsed.items():
+            verdict = limiter.combine([by_key[key] for key in keys])
+            result.verdicts[text] = verdict
+            if not verdict.blocked:
+                active.append(text)
+        reserved: dict[str, int] = {}
+        reserved_units: dict[str, int] = {}
+        # Key sets whose next call costs more than their keys have room for; its cost per key.
+        walled: dict[str, dict[str, int]] = {}
+        while active and budget > 0:
+            share = max(1, budget // len(active))
+            asks: dict[str, int] = {}
+            left = budget
+            for text in active:
+                # Room is in units and every call costs at least one: never more calls than units.
+                wanted = min([share, left, *(room[key] for key in parsed[text])])
+                if wanted > 0:
+                    asks[text] = wanted
+                    left -= wanted
+            if not asks:
+                break
+            rows = _claim_rows(manager, asks, now)
+            got: dict[str, int] = {}
+            kept, returned = [], []
+            # Each key set's calls in the order its scan chose them; a call that does not fit
+            # its keys' room (its cost) ends the key set's share, so no cheaper call jumps it.
+            for row in sorted(rows, key=lambda r: (r.key_set, -r.priority, r.id)):
+                keys = parsed[row.key_set]
+                problem = unreadable_cost(row.cost, keys)
+                if problem:
+                    fail_unreadable(manager, manager.filter(id=row.id), problem)
+                    continue
+                if row.key_set in walled or any(
+                    row.units(key) > room[key] and (key in reserved or row.units(key) > alone[key]) for key in keys
+                ):
+                    walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
+                    returned.append(row.id)
+                    continue
+                kept.append(row)
+                got[row.key_set] = got.get(row.key_set, 0) + 1
+                for key in keys:
+                    room[key] -= row.units(key)
+                    reserved[key] = reserved.get(key, 0) + 1
+                    reserved_units[key] = reserved_units.get(key, 0) + row.units(key)
+            if returned:
+                manager.filter(id__in=returned).update(status=Status.PENDING, dispatched_at=None)
+            result.calls.extend(kept)
+            budget -= len(kept)
+            # Only a key set that filled its share may have more waiting.
+            active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted and text not in walled]
+        limiter.adjust_reserved(reserved, reserved_units, using=manager.db)
+        # A key set whose keys this pass filled (or whose next call's cost does not fit)
+        # waits for room like one found blocked.
+        filled = sorted({key for key in reserved if room[key] <= 0} | {k for c in walled.values() for k in c})
+        if filled:
+            for key in reserved:
+                states[key].reserved += reserved[key]
+                states[key].reserved_units += reserved_units[key]
+            need: dict[str, int] = {}
+            for costs in walled.values():
+                for key, units in costs.items():
+                    need[key] = max(need.get(key, 1), units)
+            after = limiter.assess(filled, states, at, policies, for_start=False, costs=need, using=manager.db).verdicts
+            for text, keys in parsed.items():
+                if not result.verdicts[text].blocked and any(key in after for key in keys):
+                    result.verdicts[text] = limiter.combine([after.get(key, by_key[key]) for key in keys])
+    # Publish the most urgent first, as each key set's scan chose them.
+    result.calls.sort(key=lambda call: (-call.priority, call.id))
+    return result
+
+
+def _claim_rows(
+    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+    """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
+    if sql.postgresql_path(manager.db):
+        return _claim_rows_postgresql(manager, asks, now)
+    return _claim_rows_portable(manager, asks, now)
+
+
+def _claim_rows_portable(
+    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+    """Per key set: select the due rows (skipping locked ones), then mark them, through the ORM."""
+    claimed = []
+    for text, wanted in asks.items():
+        rows = list(
+            manager.filter(status=Status.PENDING, key_set=text, run_at__lte=now)
+            .order_by("-priority", "id")
+            .select_for_update(skip_locked=True)
+            .values_list("id", "dispatch_no", "queue", "priority", "cost")[:wanted]
+        )
+        if rows:
+            manager.filter(id__in=[r[0] for r in rows]).update(
+                status=Status.DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
+            )
+        claimed += [
+            Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p, cost=c) for i, n, q, p, c in rows
+        ]
+    return claimed
+
+
+def _claim_rows_postgresql(
+    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+    """Select and mark the due calls of every asking key set in one statement (``sql.claim_due``)."""
+    params: dict[str, Any] = {
+        "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
+        "key_sets": list(asks), "wanted": list(asks.values()),
+    }
+    with connections[manager.db].cursor() as cursor:
+        cursor.execute(sql.claim_due(), params)
+        return [
+            Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c))
+            for i, n, q, k, p, c in cursor.fetchall()
+        ]
+
+
+def put_back(
+    manager: CallQueueManager, calls: Iterable[Claimed]) -> int:
+    """Return claimed calls whose publish failed to waiting at once."""
+    by_set: dict[str, list[Claimed]] = {}
+    for call in calls:
+        by_set.setdefault(call.key_set, []).append(call)
+    returned = 0
+    for text, group in by_set.items():
+        keys = parse_key_set(text)
+        with transaction.atomic(using=manager.db):
+            limiter.lock_keys(keys, using=manager.db)
+            won = 0
+            units = dict.fromkeys(keys, 0)
+            for call in group:
+                if manager.filter(id=call.id, status=Status.DISPATCHED, dispatch_no=call.dispatch_no).update(
+                    status=Status.PENDING, dispatched_at=None
+                ):
+                    won += 1
+                    for key in keys:
+                        units[key] += call.units(key)
+            limiter.adjust(keys, reserved=-won, units=units, using=manager.db)
+            returned += won
+    return returned
+
+
+def next_due_at(
+    manager: CallQueueManager, now: datetime) -> datetime | None:
+    """Return when the earliest call that is not yet due becomes due."""
+    return manager.filter(status=Status.PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()
