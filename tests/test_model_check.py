@@ -22,6 +22,7 @@ from dispatcher import CostNeverFits, limiter
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.policies import TokenBucket
 from tests.claims import claim
+from tests.clocks import fake_db_clock
 
 KEY_SETS = [["a"], ["b"], ["a", "b"], ["p:1"], ["p:2", "a"]]
 KEYS = sorted({k for ks in KEY_SETS for k in ks})
@@ -40,10 +41,7 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch, settings) -> Clock:
-    import dispatcher.clock
-    import dispatcher.dispenser
     import dispatcher.limiter
-    import dispatcher.managers
 
     settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
     settings.DISPATCHER_RUN_TIMEOUT = "10s"
@@ -51,8 +49,7 @@ def clock(monkeypatch, settings) -> Clock:
     settings.DISPATCHER_RETRY_JITTER = 0
     settings.DISPATCHER_MAX_DEFERRALS = ""
     fake = Clock()
-    for module in (dispatcher.clock, dispatcher.managers, dispatcher.dispenser):
-        monkeypatch.setattr(module, "db_now", fake)
+    fake_db_clock(monkeypatch, fake)
     # A start reads the policies and the clock in one statement on PostgreSQL; keep its clock fake too.
     monkeypatch.setattr(
         dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), fake()))

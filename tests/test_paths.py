@@ -17,9 +17,9 @@ import pytest
 import dispatcher.limiter
 import dispatcher.sql
 from dispatcher import limiter
-from dispatcher.calls import dispense, finish, rows, send, start, sweep
-from dispatcher.limits import edit
+from dispatcher.calls import dispense, finish, send, start
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from tests.clocks import fake_db_clock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
 
@@ -30,9 +30,7 @@ NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 def fixed_clock(monkeypatch, settings):
     settings.DISPATCHER_RETRY_JITTER = 0
     clock = lambda using=None: NOW  # noqa: E731
-    for module in (dispense, finish, rows, send, start, sweep, edit, dispatcher.limiter):
-        if hasattr(module, "db_now"):
-            monkeypatch.setattr(module, "db_now", clock)
+    fake_db_clock(monkeypatch, clock)
     monkeypatch.setattr(limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
 
 
