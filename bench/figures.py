@@ -330,7 +330,7 @@ def limit_size(ctx: Context) -> list[Figure]:
     """A start and a claim under 2,000,000 per day with 1,000 vs a million starts in the window, both shapes."""
     from django.db import connection
 
-    from dispatcher.limiter import Policies
+    from dispatcher.limits.catalog import Policies
     from dispatcher.models import CallQueue, KeyState, RateLimit
 
     rounds = 40
@@ -652,7 +652,7 @@ def worker_cpu(ctx: Context) -> list[Figure]:
 
     import httpx
 
-    from dispatcher.limiter import Policies
+    from dispatcher.limits.catalog import Policies
     from dispatcher.models import CallQueue, RateLimit
     from dispatcher.worker import execute
     from support.fakeapi import FakeAPI

@@ -27,8 +27,8 @@ from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration, parse_positive_duration
 from dispatcher.keys import is_pattern, parse_key_set, pattern_matches, validate_policy_key
+from dispatcher.limits.shapes import PolicyError, validate
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
-from dispatcher.policies import PolicyError, validate
 from dispatcher.redact import redact, redact_text
 
 if TYPE_CHECKING:

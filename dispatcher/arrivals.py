@@ -6,8 +6,8 @@ start (``mark_clock``) and again when the handler hands the request to the netwo
 (``mark_sent``: the http handler does it when the request's headers go out; another handler
 may call ``dispatcher.mark_sent()``, else the moment it is invoked counts). The difference is
 an upper bound of the delay on the database's own time scale, with no clock offset between
-hosts in it. ``dispatcher.limiter.remember_send_delay`` keeps the largest delays per key;
-every claim and start then absorbs them (``dispatcher.policies.learnt_delay``).
+hosts in it. ``dispatcher.limits.ledger.remember_send_delay`` keeps the largest delays per key;
+every claim and start then absorbs them (``guard.learnt_delay``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 from datetime import datetime, timedelta
 from typing import Any
 
-from dispatcher.policies import DelayMemory, remember_delay
+from dispatcher.limits.guard import DelayMemory, remember_delay
 
 _clock_read: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_clock_read", default=None)
 _sent: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_sent", default=None)

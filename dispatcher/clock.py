@@ -1,7 +1,7 @@
 """The one clock the limiter trusts: the database's."""
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
@@ -20,3 +20,16 @@ def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
             return cursor.fetchone()[0]
     # SQLite is a file on this machine, so its clock is this machine's clock.
     return timezone.now()
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def to_us(moment: datetime) -> int:
+    """Return a moment as whole microseconds since the epoch (how bucket states are stored)."""
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def from_us(value: int) -> datetime:
+    """Return the moment of a count of microseconds since the epoch."""
+    return EPOCH + timedelta(microseconds=value)

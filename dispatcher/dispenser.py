@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 from celery import current_app
 from django.db import close_old_connections, connections
 
-from dispatcher import limiter, liveness, sql
+from dispatcher import liveness, sql
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.faults import maybe_fail
+from dispatcher.limits import catalog, locks
 from dispatcher.managers import Claimed
 from dispatcher.models import CallQueue
 
@@ -54,7 +55,7 @@ class Dispenser:
     def run_once(self) -> PassReport:
         """Claim and publish one batch; return what moved."""
         report = PassReport()
-        policies = limiter.Policies.load()
+        policies = catalog.Policies.load()
         key_sets = CallQueue.objects.waiting_key_sets()
         if self.cursor is not None:
             # Start after the key set this dispenser served last: round-robin across passes.
@@ -155,7 +156,7 @@ class Waiter:
             params.pop("cursor_factory", None)
             params.pop("context", None)
             self.conn = psycopg.connect(**params, autocommit=True)
-            self.conn.execute(sql.listen(limiter.WAKE_CHANNEL))
+            self.conn.execute(sql.listen(locks.WAKE_CHANNEL))
         return self.conn
 
     def wait(self, timeout: float, stop: threading.Event) -> None:

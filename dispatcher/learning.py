@@ -2,7 +2,7 @@
 
 Which keys: the key a handler names, else the keys of the call being run (the worker sets them
 in ``current_keys`` around the handler). A learnt limit is one more window policy on the key
-(see ``limiter.Policies.load``): it can only hold calls back, never let more through than the
+(see ``catalog.Policies.load``): it can only hold calls back, never let more through than the
 configured policies. Pauses are cut to ``DISPATCHER_MAX_PAUSE``, learnt windows to that and to
 an hour, and a learnt limit lasts ``DISPATCHER_LEARNT_LIMIT_TTL`` after
 the API last said it.
@@ -20,9 +20,10 @@ from datetime import datetime, timedelta
 from django.db import transaction
 from django.db.models import Max, Sum
 
-from dispatcher import limiter, tables
+from dispatcher import tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
+from dispatcher.limits import gate, ledger, locks
 from dispatcher.ratelimit_headers import Signal, signal
 from dispatcher.states import AttemptOutcome, CallStatus
 
@@ -76,7 +77,7 @@ def apply(found: Signal, keys: Sequence[str] | None = None) -> None:
 
 
 def _apply(found: Signal, keys: tuple[str, ...]) -> None:
-    # The window log keeps at least an hour of starts (limiter.prune_starts): no learnt window
+    # The window log keeps at least an hour of starts (ledger.prune_starts): no learnt window
     # may be longer, or it would count fewer starts than it should.
     longest = min(dispatcher_settings.MAX_PAUSE, timedelta(hours=1))
     wait = cap_pause(found.wait())
@@ -98,12 +99,12 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     with transaction.atomic():
         now = db_now()
         if wait:
-            limiter.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
+            ledger.pause(keys, now + timedelta(seconds=wait), reason=f"API said: {found.text}"[:200])
         elif spent:
             # r remain and at least r other calls of the key are already running (they will
             # arrive): nothing more may start before the reset.
             until = now + timedelta(seconds=cap_pause(found.reset) or 0)
-            limiter.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
+            ledger.pause(spent, until, reason=f"API said: {found.text}; the rest is in flight"[:200])
         expires = now + dispatcher_settings.LEARNT_LIMIT_TTL
         if windows or budgets:
             tables.LearntLimit.objects.filter(key__in=keys, expires_at__lte=now).delete()
@@ -113,7 +114,7 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
         for limit, period in windows:
             for key in keys:
                 _learn(tables.LearntLimit, key, limit, period, expires, found, now)
-        limiter.wake_dispensers()
+        locks.wake_dispensers()
     if len(_stored) > MAX_REMEMBERED:
         _stored.clear()
     for limit, period in windows:
@@ -130,7 +131,7 @@ def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
     """
     if not found.remaining or not found.reset or found.wait() is not None:
         return {}
-    running = limiter.running_by_key(keys)
+    running = gate.running_by_key(keys)
     budgets = {key: found.remaining - max(running.get(key, 0) - 1, 0) for key in keys}
     if found.windows and all(n > 0 for n in budgets.values()):
         # When the API has counted no more calls in its window than the key started in it, the
@@ -232,7 +233,7 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
     with transaction.atomic():
         # One lesson at a time per key: the calls refused in flight with this one wait for it,
         # then see it and learn nothing more from the same starts.
-        limiter.lock_keys(sorted(set(keys)))
+        locks.lock_keys(sorted(set(keys)))
         now = db_now()
         reset = now + timedelta(seconds=wait)
         ttl = dispatcher_settings.LEARNT_LIMIT_TTL

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import models
 
-from dispatcher import limiter
 from dispatcher.calls import dispense, finish, send, start, sweep
 from dispatcher.calls.dispense import BatchClaim, Claimed
 from dispatcher.calls.start import Started
 from dispatcher.calls.sweep import RescueReport
-from dispatcher.limits import edit
+from dispatcher.limits import catalog, edit
 from dispatcher.states import CallStatus as Status
 
 if TYPE_CHECKING:
@@ -81,7 +80,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         """Return the distinct key sets of waiting calls, in order."""
         return dispense.waiting_key_sets(self, after, limit)
 
-    def claim_batch(self, key_sets: Sequence[str], budget: int, policies: limiter.Policies) -> BatchClaim:
+    def claim_batch(self, key_sets: Sequence[str], budget: int, policies: catalog.Policies) -> BatchClaim:
         """Claim up to ``budget`` due calls across key sets, as their keys have room, in one transaction."""
         return dispense.claim_batch(self, key_sets, budget, policies)
 

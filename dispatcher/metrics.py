@@ -31,8 +31,8 @@ from dispatcher.auth import bearer_token_ok
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
+from dispatcher.limits.shapes import TokenBucket
 from dispatcher.models import Attempt, CallQueue
-from dispatcher.policies import TokenBucket
 from dispatcher.redact import redact_text
 
 WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 86400.0)

@@ -7,8 +7,8 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from dispatcher.limits.shapes import Policy, make_policy
 from dispatcher.managers import CallQueueManager, RateLimitManager
-from dispatcher.policies import Policy, make_policy
 from dispatcher.states import AttemptOutcome, CallStatus
 from dispatcher.validation import StoredJSONDecoder
 
@@ -182,7 +182,7 @@ class KeyState(models.Model):
     total = models.BigIntegerField(default=0, help_text="Units ever started under the key: the start log's running total.")
     paused_until = models.DateTimeField(null=True, blank=True)
     pause_reason = models.CharField(max_length=200, blank=True, default="")
-    # The arrival guard learnt from the workers (dispatcher.policies.DelayMemory): the largest
+    # The arrival guard learnt from the workers (guard.DelayMemory): the largest
     # start-to-send delay measured since ``send_delay_since`` and in the span before it.
     send_delay_us = models.BigIntegerField(default=0, db_default=0, help_text="Largest start-to-send delay measured lately (µs).")
     send_delay_prev_us = models.BigIntegerField(default=0, db_default=0, help_text="The same, in the span before.")

@@ -222,7 +222,7 @@ def adjust_reserved(keys: int) -> str:
 @functools.cache
 def remember_send_delay() -> str:
     """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
-    memory span %(spans)s (dispatcher.policies.remember_delay): a span gone by rolls the memory
+    memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory
     over, a larger delay raises it; other rows are not touched (nor locked)."""
     current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
     since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")

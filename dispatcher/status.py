@@ -16,12 +16,13 @@ from typing import Any
 from django.db.models import Count, Max, Min, Q, Sum
 from django.db.models.functions import TruncMinute
 
-from dispatcher import limiter, liveness
+from dispatcher import liveness
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment
 from dispatcher.keys import is_pattern, parse_key_set
+from dispatcher.limits import catalog, gate
+from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
-from dispatcher.policies import Policy as PolicyShape
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class KeyStatus:
     oldest_waiting_since: datetime | None = None
     paused_until: datetime | None = None
     pause_reason: str = ""
-    room: int = limiter.UNLIMITED
+    room: int = gate.UNLIMITED
     blocked_reason: str = ""
     next_free_at: datetime | None = None
 
@@ -154,7 +155,7 @@ class KeyStatus:
             "oldest_wait_seconds": _seconds(self.oldest_wait),
             "paused_until": _iso(self.paused_until),
             "pause_reason": self.pause_reason,
-            "room": None if self.room >= limiter.UNLIMITED else max(self.room, 0),
+            "room": None if self.room >= gate.UNLIMITED else max(self.room, 0),
             "blocked_reason": self.blocked_reason,
             "next_free_at": _iso(self.next_free_at),
             "drain_seconds": _seconds(self.drain_time),
@@ -236,12 +237,12 @@ def _key_state(key: str, states: dict[str, Any]) -> Any:
     return states.get(key) or KeyState(key=key)
 
 
-def _status_for(key: str, state: Any, now: datetime, policies: limiter.Policies, running: int) -> KeyStatus:
+def _status_for(key: str, state: Any, now: datetime, policies: catalog.Policies, running: int) -> KeyStatus:
     governing = policies.for_key(key)
-    readings = limiter.read_policies({key: governing}, {key: state}, now)[key] if governing else []
+    readings = gate.read_policies({key: governing}, {key: state}, now)[key] if governing else []
     pattern_pause = policies.pattern_pause(key)
     pauses = [t for t in (state.paused_until, pattern_pause) if t is not None and t > now]
-    verdict = limiter.check_key(
+    verdict = gate.check_key(
         key, state, now, policies, for_start=False, readings=readings, running=running
     )
     reserved_units = max(state.reserved_units or 0, 0)
@@ -294,9 +295,9 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     or that started a call in the last hour.
     """
     now = now or db_now()
-    policies = limiter.Policies.load()
+    policies = catalog.Policies.load()
     waiting = waiting_by_key(now)
-    running = limiter.running_by_key(keys)
+    running = gate.running_by_key(keys)
     if keys is None:
         wanted = set(waiting) | set(running)
         wanted.update(k for k in RateLimit.objects.values_list("key", flat=True) if not is_pattern(k))
@@ -319,7 +320,7 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     return result
 
 
-def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limiter.Policies | None = None) -> WaitExplanation:
+def explain_call(call: CallQueue, *, now: datetime | None = None, policies: catalog.Policies | None = None) -> WaitExplanation:
     """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
     now = now or db_now()
     if call.status not in (call.Status.PENDING, call.Status.DISPATCHED, call.Status.RUNNING):
@@ -327,7 +328,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     stalled = liveness.stall(call, liveness.read(now))
     if call.status != call.Status.PENDING:
         return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
-    policies = policies or limiter.Policies.load()
+    policies = policies or catalog.Policies.load()
     reasons: list[WaitReason] = []
     if call.run_at and call.run_at > now:
         when = format_moment(call.run_at, now)
@@ -345,19 +346,19 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
     keys = parse_key_set(call.key_set)
     states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
     for key in keys:
-        verdict = limiter.check_key(
+        verdict = gate.check_key(
             key, _key_state(key, states), now, policies, for_start=False, cost=call.cost_of(key)
         )
         if not verdict.blocked:
             continue
-        if verdict.kind == limiter.Hold.PAUSED:
+        if verdict.kind == gate.Hold.PAUSED:
             state = states.get(key)
             reasons.append(WaitReason(
                 WaitKind.PAUSED,
                 f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
                 verdict.until, key,
             ))
-        elif verdict.kind == limiter.Hold.CONCURRENCY:
+        elif verdict.kind == gate.Hold.CONCURRENCY:
             reasons.append(WaitReason(
                 WaitKind.CONCURRENCY,
                 f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
@@ -366,7 +367,7 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: limi
             ))
         else:
             frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
-            source = " (a limit the API announced)" if verdict.kind == limiter.Hold.LEARNT else ""
+            source = " (a limit the API announced)" if verdict.kind == gate.Hold.LEARNT else ""
             reasons.append(WaitReason(WaitKind.RATE, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now

@@ -17,12 +17,13 @@ from typing import Any, TypeVar
 
 from django.db import InterfaceError, OperationalError, connections
 
-from dispatcher import arrivals, limiter
+from dispatcher import arrivals
 from dispatcher.combiner import StartCombiner
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
+from dispatcher.limits import ledger
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.registry import get_handler
 from dispatcher.states import AttemptOutcome
@@ -137,9 +138,9 @@ def _keep_delay(call_id: int, clock_read: float | None, noted: Any, delay: timed
         return
     try:
         if overdue:
-            limiter.push_buckets(overdue)
+            ledger.push_buckets(overdue)
             log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
-        if limiter.remember_send_delay(spans, delay):
+        if ledger.remember_send_delay(spans, delay):
             log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
     except (OperationalError, InterfaceError) as exc:
         log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.limiter import Policies, Verdict
+from dispatcher.limits.catalog import Policies
+from dispatcher.limits.gate import Verdict
 from dispatcher.managers import Claimed
 from dispatcher.models import CallQueue
 

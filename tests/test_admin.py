@@ -8,6 +8,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from dispatcher.clock import db_now
+from dispatcher.limits import ledger
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
 from tests.claims import claim
 from tests.starts import log_starts
@@ -300,12 +301,11 @@ def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operato
 
 
 def test_policy_list_says_who_paused_a_key(operator):
-    from dispatcher import limiter
 
     RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
     RateLimit.objects.set_policy("crm", 3, timedelta(minutes=1))
     RateLimit.objects.pause_key("api", timedelta(minutes=5))
-    limiter.pause(["crm"], db_now() + timedelta(minutes=2), reason="429 from call #7")
+    ledger.pause(["crm"], db_now() + timedelta(minutes=2), reason="429 from call #7")
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
     assert rows["api"][5].endswith("(in 5 min), by operator")
     assert rows["crm"][5].endswith("(in 2 min), by 429 from the API (429 from call #7)")

@@ -11,6 +11,7 @@ import pytest
 from celery import Celery
 
 from dispatcher.clock import db_now
+from dispatcher.limits import catalog
 from dispatcher.models import Attempt, CallQueue, RateLimit
 from support.fakeapi import max_in_window
 from support.processes import wait_until
@@ -242,12 +243,11 @@ def skipped_runs(procs) -> int:
 
 
 def test_duplicate_and_stale_messages_run_the_handler_at_most_once_per_attempt(procs, fake_api, redis_url):
-    from dispatcher import limiter
 
     app = publisher(redis_url)
     procs.worker(procs.queue, concurrency=2)
     [call_id] = send_http(fake_api, "/slow?delay=0.3", 1)
-    claimed = claim('["api"]', 1, limiter.Policies.load()).calls
+    claimed = claim('["api"]', 1, catalog.Policies.load()).calls
     assert [c.id for c in claimed] == [call_id]
     dispatch_no = claimed[0].dispatch_no
     # The same message twice, as a redelivery would bring it.

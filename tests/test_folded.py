@@ -13,7 +13,8 @@ import pytest
 from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
-from dispatcher import limiter
+from dispatcher.calls import start
+from dispatcher.limits import gate
 from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
 from tests.test_lifecycle import claim_all
 
@@ -97,7 +98,7 @@ def test_a_start_that_fails_inside_leaves_nothing_written_and_no_lock_held(monke
     def broken(*args, **kwargs):
         raise RuntimeError("judgement failed")
 
-    monkeypatch.setattr(limiter, "assess", broken)
+    monkeypatch.setattr(gate, "assess", broken)
     with pytest.raises(RuntimeError, match="judgement failed"):
         CallQueue.objects.start(call.id, call.dispatch_no, worker="w")
     assert _idle()
@@ -112,14 +113,14 @@ def test_a_start_that_fails_inside_leaves_nothing_written_and_no_lock_held(monke
 def test_a_failed_statement_inside_is_rolled_back(monkeypatch):
     RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
     (call,) = _claimed(1)
-    real = limiter.assess
+    real = gate.assess
 
     def failing_statement(*args, **kwargs):
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1 / 0")  # leaves the transaction failed on the server
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(limiter, "assess", failing_statement)
+    monkeypatch.setattr(gate, "assess", failing_statement)
     with pytest.raises(Exception, match="division by zero"):
         CallQueue.objects.start(call.id, call.dispatch_no)
     assert _idle()
@@ -152,24 +153,20 @@ def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
     assert not KeyStart.objects.exists()
 
 
-def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts_alone():
+def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts_alone(monkeypatch):
     RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
     calls = _claimed(3)
     deliveries = [(c.id, c.dispatch_no) for c in calls]
     # A duplicate delivery starts the middle call after the group read its heads and before its
     # mark: the group's statement (locked, all or nothing) must then write none of its starts.
-    heads_read = CallQueue.objects._start_group
+    heads_read = start._start_group
 
-    def duplicate_first(live, worker, may_wait, *, fold):
+    def duplicate_first(manager, live, worker, may_wait, *, fold):
         _seen_elsewhere(lambda: CallQueue.objects.start(*deliveries[1]).state)
-        return heads_read(live, worker, may_wait, fold=fold)
+        return heads_read(manager, live, worker, may_wait, fold=fold)
 
-    manager = CallQueue.objects
-    manager._start_group = duplicate_first  # type: ignore[method-assign]
-    try:
-        started = manager.start_many(deliveries, worker="w")
-    finally:
-        del manager._start_group
+    monkeypatch.setattr(start, "_start_group", duplicate_first)
+    started = CallQueue.objects.start_many(deliveries, worker="w")
     assert [s.state for s in started] == ["started", "stale", "started"]
     assert _idle()
     # Each call started once: one attempt each, one log row each, the key's total 3.

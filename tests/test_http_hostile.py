@@ -333,7 +333,7 @@ def test_a_429_pause_is_capped(fake_api, settings):
 
 def test_a_learnt_limit_never_loosens_a_configured_policy(settings):
     from dispatcher.learning import report_rate_limit
-    from dispatcher.limiter import Policies
+    from dispatcher.limits.catalog import Policies
 
     RateLimit.objects.set_policy("partner", 10, timedelta(seconds=1))
     report_rate_limit(limit=1000, window=1, remaining=900, reset=1, key="partner")

@@ -99,7 +99,8 @@ def test_no_import_is_hidden_in_a_function_but_the_listed_ones():
 
 @pytest.mark.parametrize("module", [
     "models", "managers", "calls.rows", "calls.send", "calls.dispense", "calls.start", "calls.finish", "calls.sweep",
-    "limits.edit", "limiter", "sql", "inserts", "clock", "learning",
+    "limits.edit", "limits.catalog", "limits.gate", "limits.ledger", "limits.locks", "sql", "inserts", "clock",
+    "learning",
 ])
 def test_the_models_and_the_modules_below_them_import_no_model_module(module):
     tree = _modules()[f"dispatcher.{module}"]
@@ -109,7 +110,7 @@ def test_the_models_and_the_modules_below_them_import_no_model_module(module):
 
 def test_no_statement_runs_on_the_default_connection():
     """Statements run on ``connections[alias]`` with their manager's alias (``self.db``, or
-    ``limiter.alias()``); the default ``connection`` is imported only to be closed, by a greenlet
+    ``locks.alias()``); the default ``connection`` is imported only to be closed, by a greenlet
     (tasks) or the heartbeat thread (liveness)."""
     importers = set()
     for name, tree in _modules().items():

@@ -8,19 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatcher.policies import (
+from dispatcher.limits.guard import (
     MEMORY_MAX,
     MEMORY_MIN,
-    US,
     DelayMemory,
-    Reading,
-    SlidingWindow,
-    TokenBucket,
     arrival_guard,
     learnt_delay,
     memory,
     remember_delay,
 )
+from dispatcher.limits.shapes import US, Reading, SlidingWindow, TokenBucket
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MS = timedelta(milliseconds=1)
@@ -197,7 +194,7 @@ def test_a_worker_writes_only_a_delay_that_changes_what_its_start_read():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_late_send_moves_the_keys_buckets_on_by_how_late_it_was():
-    from dispatcher.limiter import push_buckets
+    from dispatcher.limits.ledger import push_buckets
     from dispatcher.models import KeyBucket
 
     second, minute = timedelta(seconds=1), timedelta(minutes=1)

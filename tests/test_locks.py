@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from django.db import connection, connections, transaction
 
-from dispatcher import limiter
 from dispatcher.clock import db_now
+from dispatcher.limits import ledger, locks
 from dispatcher.models import CallQueue, KeyState
 from support.processes import wait_until
 from tests.claims import claim as claim_key_set
@@ -109,7 +109,7 @@ def lock_key_and_pause(key: str, minutes: int) -> Callable[[], Any]:
     """Lock a key's row as a claim or start would, and pause the key in the same transaction."""
 
     def lock() -> None:
-        limiter.lock_keys([key])
+        locks.lock_keys([key])
         KeyState.objects.filter(key=key).update(paused_until=db_now() + timedelta(minutes=minutes), pause_reason="test")
 
     return lock
@@ -125,7 +125,7 @@ def test_claim_skips_calls_locked_elsewhere_and_takes_them_once_released(make_ca
 
 def test_claim_waits_for_a_key_locked_elsewhere_and_obeys_the_pause_committed_meanwhile(make_call):
     call = make_call()
-    limiter.lock_keys(["api"])  # the key's row exists, as after any earlier claim
+    locks.lock_keys(["api"])  # the key's row exists, as after any earlier claim
     with held_elsewhere(lock_key_and_pause("api", minutes=5)):
         claiming = InThread(lambda: claim(call.key_set))
         assert wait_until(claiming.waits_for_a_lock, timeout=BOUND)
@@ -170,12 +170,12 @@ def test_start_waits_for_its_call_row_and_finds_it_taken_back_by_then(make_call)
 
 def test_a_send_delay_write_of_several_keys_takes_them_in_key_order():
     # Rows placed in the table against key order ("b" before "a"): an UPDATE finds them that way.
-    limiter.lock_keys(["order:b"])
-    limiter.lock_keys(["order:a"])
+    locks.lock_keys(["order:b"])
+    locks.lock_keys(["order:a"])
     spans = {"order:a": timedelta(seconds=1), "order:b": timedelta(seconds=1)}
     # A start of both keys holds "order:a" and will ask for "order:b" next.
-    with held_elsewhere(lambda: limiter.lock_keys(["order:a"])):
-        write = InThread(lambda: limiter.remember_send_delay(spans, timedelta(milliseconds=7)))
+    with held_elsewhere(lambda: locks.lock_keys(["order:a"])):
+        write = InThread(lambda: ledger.remember_send_delay(spans, timedelta(milliseconds=7)))
         assert wait_until(write.waits_for_a_lock, BOUND)
         # The write waits for "a" holding nothing, so the start gets "b" (else: a deadlock).
         with transaction.atomic():

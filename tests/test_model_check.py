@@ -18,9 +18,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from dispatcher import CostNeverFits, limiter
+import dispatcher.limits.catalog
+import dispatcher.limits.gate
+from dispatcher import CostNeverFits
+from dispatcher.limits import catalog, gate
+from dispatcher.limits.shapes import TokenBucket
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
-from dispatcher.policies import TokenBucket
 from tests.claims import claim
 from tests.clocks import fake_db_clock
 
@@ -41,7 +44,6 @@ class Clock:
 
 @pytest.fixture
 def clock(monkeypatch, settings) -> Clock:
-    import dispatcher.limiter
 
     settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
     settings.DISPATCHER_RUN_TIMEOUT = "10s"
@@ -52,13 +54,13 @@ def clock(monkeypatch, settings) -> Clock:
     fake_db_clock(monkeypatch, fake)
     # A start reads the policies and the clock in one statement on PostgreSQL; keep its clock fake too.
     monkeypatch.setattr(
-        dispatcher.limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), fake()))
+        dispatcher.limits.catalog.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), fake()))
     )
     # And the kept policies' statement reads the database's clock: read them afresh at each start.
-    monkeypatch.setattr(dispatcher.limiter, "_kept", {})
+    monkeypatch.setattr(dispatcher.limits.catalog, "_kept", {})
     monkeypatch.setattr(
-        dispatcher.limiter, "policies_for_start",
-        lambda keys, states, using=None: (*dispatcher.limiter.Policies.load_with_clock(using), None),
+        dispatcher.limits.gate, "policies_for_start",
+        lambda keys, states, using=None: (*dispatcher.limits.catalog.Policies.load_with_clock(using), None),
     )
     return fake
 
@@ -108,7 +110,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         @rule(batch=st.integers(1, 6))
         def dispense(self, batch: int) -> None:
-            policies = limiter.Policies.load()
+            policies = catalog.Policies.load()
             for text in CallQueue.objects.waiting_key_sets():
                 for claimed in claim(text, batch, policies).calls:
                     # The publish, recorded instead of sent to a broker.
@@ -129,7 +131,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             assert call is not None and started.attempt is not None
             self.running[call_id] = (call, started.attempt)
             now = clock.now
-            policies = limiter.Policies.load()
+            policies = catalog.Policies.load()
             for key in call.keys:
                 self.starts[key].append([now, call.cost_of(key), call.id])
                 for policy in policies.for_key(key):
@@ -250,7 +252,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             for key, starts in self.starts.items():
                 truth[key][3] = sum(u for _, u, _ in starts)
             for state in KeyState.objects.exclude(key__endswith="*"):
-                running = limiter.running_by_key([state.key]).get(state.key, 0)
+                running = gate.running_by_key([state.key]).get(state.key, 0)
                 counters = [state.reserved, running, state.reserved_units, state.total]
                 assert counters == truth.get(state.key, [0, 0, 0, 0]), state.key
 

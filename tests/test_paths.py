@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-import dispatcher.limiter
+import dispatcher.limits.catalog
+import dispatcher.limits.gate
 import dispatcher.sql
-from dispatcher import limiter
 from dispatcher.calls import dispense, finish, send, start
+from dispatcher.limits import catalog
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from tests.clocks import fake_db_clock
 
@@ -31,7 +32,7 @@ def fixed_clock(monkeypatch, settings):
     settings.DISPATCHER_RETRY_JITTER = 0
     clock = lambda using=None: NOW  # noqa: E731
     fake_db_clock(monkeypatch, clock)
-    monkeypatch.setattr(limiter.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
+    monkeypatch.setattr(catalog.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
 
 
 def _scenario() -> list[str]:
@@ -56,7 +57,7 @@ def _scenario() -> list[str]:
         lambda s: None,  # left running
     ]
     for round_ in range(2):
-        claimed = calls.claim_batch(calls.waiting_key_sets(), 10, limiter.Policies.load()).calls
+        claimed = calls.claim_batch(calls.waiting_key_sets(), 10, catalog.Policies.load()).calls
         for index, claim in enumerate(sorted(claimed, key=lambda c: c.id)):
             started = calls.start(claim.id, claim.dispatch_no)
             said.append(f"{round_}:{started.state}:{started.reason}")
@@ -121,7 +122,8 @@ def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
         (send, "insert_one"), (send, "insert_many"),
     ):
         monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
-    monkeypatch.setattr(dispatcher.limiter, "_policies_sql", lambda *a: taken.append("_policies_sql"))
+    for module in (dispatcher.limits.catalog, dispatcher.limits.gate):
+        monkeypatch.setattr(module, "policies_statement", lambda *a: taken.append("policies_statement"))
     monkeypatch.setattr(dispatcher.sql, "lock_key_states", lambda: taken.append("lock_key_states"))
     _scenario()
     assert taken == []

@@ -8,18 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dispatcher.policies import (
-    LogEntry,
-    PolicyError,
-    Reading,
-    SlidingWindow,
-    TokenBucket,
-    first_in_window,
-    leaves_at_from_log,
-    make_policy,
-    used_from_log,
-    validate,
-)
+from dispatcher.limits.shapes import PolicyError, Reading, SlidingWindow, TokenBucket, make_policy, validate
+from tests.window_log import LogEntry, first_in_window, leaves_at_from_log, used_from_log
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 US = timedelta(microseconds=1)

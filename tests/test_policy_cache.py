@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
-from dispatcher import limiter
 from dispatcher.clock import db_now
+from dispatcher.limits import catalog
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from tests.test_lifecycle import claim_all
 
@@ -51,7 +51,7 @@ def test_an_edit_made_after_a_worker_kept_the_policies_binds_its_next_start(edit
     first, second = _two_claimed()
     assert _start(first) == "started"
     if connection.vendor == "postgresql":
-        kept = limiter.kept_policies()
+        kept = catalog.kept_policies()
         assert kept is not None and kept[1].for_key("api")[0].limit == 2
     _edit(edit)
     assert _start(second) == "deferred"
@@ -60,10 +60,10 @@ def test_an_edit_made_after_a_worker_kept_the_policies_binds_its_next_start(edit
 def test_kept_policies_serve_the_next_start_without_reading_them():
     first, second = _two_claimed()
     assert _start(first) == "started"
-    kept = limiter.kept_policies()
+    kept = catalog.kept_policies()
     assert _start(second) == "started"
     # Nothing changed: the second start used the very policies the first one kept.
-    assert limiter.kept_policies() is kept
+    assert catalog.kept_policies() is kept
     if connection.vendor == "postgresql":
         assert kept is not None
 
@@ -72,4 +72,4 @@ def test_a_changed_dispatcher_setting_drops_the_kept_policies(settings):
     first, _ = _two_claimed()
     assert _start(first) == "started"
     settings.DISPATCHER_ARRIVAL_GUARD = "50ms"
-    assert limiter.kept_policies() is None
+    assert catalog.kept_policies() is None

@@ -11,8 +11,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection, connections
 
-from dispatcher import limiter
 from dispatcher.clock import db_now
+from dispatcher.limits import catalog
 from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
 from dispatcher.status import key_statuses
 from tests.claims import claim
@@ -129,7 +129,7 @@ def test_prune_of_100k_rows_does_not_block_a_concurrent_dispenser():
     def dispenser() -> None:
         # The dispenser's own claim transaction, timed from its start to its commit.
         nonlocal longest, claims
-        policies = limiter.Policies.load()
+        policies = catalog.Policies.load()
         try:
             while not stop.is_set() and claims < 5000:
                 began = time.monotonic()

@@ -8,7 +8,8 @@ import pytest
 from dispatcher.durations import format_duration, parse_duration, parse_positive_duration
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import format_key, key_set, resolve_keys, validate_policy_key
-from dispatcher.limiter import Policies, Policy, Verdict, combine
+from dispatcher.limits.catalog import Policies, Policy
+from dispatcher.limits.gate import Verdict, combine
 from dispatcher.retry import RetryPolicy
 
 

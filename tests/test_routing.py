@@ -11,7 +11,7 @@ import pytest
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
-from dispatcher import limiter
+from dispatcher.limits import catalog, gate
 from dispatcher.models import CallQueue, RateLimit
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "other"])
@@ -28,7 +28,7 @@ def test_a_call_from_send_to_finish_runs_only_on_its_managers_alias():
         first = calls.send("noop", keys=["routed", "routed-bucket"])
         calls.send_many([{"method": "noop", "keys": ["routed"]}, {"method": "noop", "keys": ["routed"], "cost": 2}])
         key_sets = calls.waiting_key_sets()
-        claimed = calls.claim_batch(key_sets, 10, limiter.Policies.load("other")).calls
+        claimed = calls.claim_batch(key_sets, 10, catalog.Policies.load("other")).calls
         assert {c.id for c in claimed} >= {first.id}
         by_id = {c.id: c for c in claimed}
         started = calls.start(first.id, by_id[first.id].dispatch_no)
@@ -48,4 +48,4 @@ def test_a_call_from_send_to_finish_runs_only_on_its_managers_alias():
         policies.resume_key("routed")
     assert on_other.captured_queries
     assert [q["sql"] for q in on_default.captured_queries] == []
-    assert limiter.running_by_key(["routed"]) == {}
+    assert gate.running_by_key(["routed"]) == {}

@@ -8,8 +8,9 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from dispatcher import CostNeverFits, InvalidCost, limiter
-from dispatcher.limiter import Policies
+from dispatcher import CostNeverFits, InvalidCost
+from dispatcher.clock import from_us, to_us
+from dispatcher.limits.catalog import Policies
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.status import key_statuses
 from dispatcher.worker import execute
@@ -105,11 +106,11 @@ def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_star
     assert run_all(claimed.calls) == ["done"]
     (bucket,) = KeyBucket.objects.filter(key="greeter")
     started = CallQueue.objects.get(pk=big.pk).started_at
-    assert bucket.tat_us - limiter.to_us(started) == 10_000_000
+    assert bucket.tat_us - to_us(started) == 10_000_000
     # On a bucket full for 1 s, 10 units fit 2.5 s after it was full (10 s - (10 s - 2.5 s)); a
     # call within the depth (7) fits as soon as the bucket has 7 tokens.
-    KeyBucket.objects.filter(key="greeter").update(tat_us=limiter.to_us(db_now() - timedelta(seconds=1)))
-    tat = limiter.from_us(KeyBucket.objects.get(key="greeter").tat_us)
+    KeyBucket.objects.filter(key="greeter").update(tat_us=to_us(db_now() - timedelta(seconds=1)))
+    tat = from_us(KeyBucket.objects.get(key="greeter").tat_us)
     CallQueue.objects.filter(pk=small.pk).update(cost={"greeter": 10})
     again = claim_all(small.key_set)
     assert again.calls == [] and again.verdict.blocked
@@ -233,7 +234,7 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     on): the call, its attempt and its log row carry that one time, and a bucket is charged from it."""
     from django.db import connection
 
-    from dispatcher.limiter import to_us
+    from dispatcher.clock import to_us
 
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
     RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
@@ -248,10 +249,10 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
         lambda cls, using=None: (lambda loaded: (loaded[0], loaded[1] - timedelta(milliseconds=50)))(load(cls, using))
     ))
     # Read the policies (and that clock) afresh at the start, not the ones this process kept.
-    monkeypatch.setattr("dispatcher.limiter._kept", {})
+    monkeypatch.setattr("dispatcher.limits.catalog._kept", {})
     # What the start charges is the point here: keep out the push a send later than the learnt
     # guard gives the bucket afterwards (tests/test_learnt_guard.py covers that push).
-    monkeypatch.setattr("dispatcher.limiter.push_buckets", lambda overdue, using=None: None)
+    monkeypatch.setattr("dispatcher.limits.ledger.push_buckets", lambda overdue, using=None: None)
     assert run_all([claimed]) == ["done"]
     call.refresh_from_db()
     (attempt,) = Attempt.objects.filter(call=call)

@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher import limiter
+from dispatcher.clock import from_us
+from dispatcher.limits import gate
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
 from dispatcher.worker import execute_many
 from tests.test_lifecycle import claim_all
@@ -51,16 +52,16 @@ def test_a_group_is_checked_as_one_each_start_counting_against_the_next(before, 
     state = KeyState.objects.get(key="api")
     assert (state.reserved, state.reserved_units, state.total) == (0, 0, 2)
     assert sorted(KeyStart.objects.filter(key="api").values_list("cum", flat=True)) == [1, 2]
-    assert limiter.running_by_key(["api"]) == {"api": 2}
+    assert gate.running_by_key(["api"]) == {"api": 2}
     if "burst" in after:
         # The bucket holds the state after both charges, as two starts one after the other leave it.
         from dispatcher.conf import dispatcher_settings
-        from dispatcher.policies import Reading
+        from dispatcher.limits.shapes import Reading
 
         (bucket,) = KeyBucket.objects.filter(key="api")
         policy = RateLimit.objects.get(key="api").as_policy().with_guard(dispatcher_settings.ARRIVAL_GUARD)
         now = started[0].call.started_at
-        assert limiter.from_us(bucket.tat_us) == policy.charge(Reading(tat=policy.charge(Reading(), now, 1)), now, 1)
+        assert from_us(bucket.tat_us) == policy.charge(Reading(tat=policy.charge(Reading(), now, 1)), now, 1)
 
 
 def test_a_call_whose_slot_frees_within_may_wait_is_early_and_nothing_changes_for_it():

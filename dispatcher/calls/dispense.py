@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, transaction
 from django.db.models import F
 
-from dispatcher import limiter, sql
+from dispatcher import sql
 from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
+from dispatcher.limits import catalog, gate, ledger, locks
 from dispatcher.states import CallStatus as Status
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class BatchClaim:
     """The calls a pass claimed, and each key set's room as the pass found it."""
 
     calls: list[Claimed]
-    verdicts: dict[str, limiter.Verdict]
+    verdicts: dict[str, gate.Verdict]
 
 
 def waiting_key_sets(
@@ -58,7 +59,7 @@ def waiting_key_sets(
 
 
 def claim_batch(
-    manager: CallQueueManager, key_sets: Sequence[str], budget: int, policies: limiter.Policies) -> BatchClaim:
+    manager: CallQueueManager, key_sets: Sequence[str], budget: int, policies: catalog.Policies) -> BatchClaim:
     """Claim up to ``budget`` due calls across key sets, sharing it in rounds, in one transaction.
 
     Each round asks every key set still in play for an equal share of what is left (no more
@@ -73,23 +74,23 @@ def claim_batch(
         except InvalidKey as exc:
             # A row written by hand: its keys cannot be limited, so its calls cannot run.
             fail_unreadable(manager, manager.filter(status=Status.PENDING, key_set=text), str(exc))
-            result.verdicts[text] = limiter.Verdict(room=0, reason=str(exc))
+            result.verdicts[text] = gate.Verdict(room=0, reason=str(exc))
     all_keys = sorted({key for keys in parsed.values() for key in keys})
     # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
     with transaction.atomic(using=manager.db):
-        states = limiter.lock_keys(all_keys, using=manager.db)
+        states = locks.lock_keys(all_keys, using=manager.db)
         now = db_now(manager.db)
         # Judge the windows a little ahead, so a call claimed for a slot about to free
         # reaches its worker as the slot frees; the start re-checks on the clock of then.
         at = now + dispatcher_settings.DISPATCH_AHEAD
-        by_key = limiter.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db)
+        by_key = gate.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db)
         room = {key: verdict.room for key, verdict in by_key.items()}
         # A key's first call of the pass may cost more than its room when its bucket admits
         # one call beyond its depth (TokenBucket.alone): nothing else is promised then.
         alone = {key: verdict.largest for key, verdict in by_key.items()}
         active = []
         for text, keys in parsed.items():
-            verdict = limiter.combine([by_key[key] for key in keys])
+            verdict = gate.combine([by_key[key] for key in keys])
             result.verdicts[text] = verdict
             if not verdict.blocked:
                 active.append(text)
@@ -138,7 +139,7 @@ def claim_batch(
             budget -= len(kept)
             # Only a key set that filled its share may have more waiting.
             active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted and text not in walled]
-        limiter.adjust_reserved(reserved, reserved_units, using=manager.db)
+        ledger.adjust_reserved(reserved, reserved_units, using=manager.db)
         # A key set whose keys this pass filled (or whose next call's cost does not fit)
         # waits for room like one found blocked.
         filled = sorted({key for key in reserved if room[key] <= 0} | {k for c in walled.values() for k in c})
@@ -150,10 +151,10 @@ def claim_batch(
             for costs in walled.values():
                 for key, units in costs.items():
                     need[key] = max(need.get(key, 1), units)
-            after = limiter.assess(filled, states, at, policies, for_start=False, costs=need, using=manager.db).verdicts
+            after = gate.assess(filled, states, at, policies, for_start=False, costs=need, using=manager.db).verdicts
             for text, keys in parsed.items():
                 if not result.verdicts[text].blocked and any(key in after for key in keys):
-                    result.verdicts[text] = limiter.combine([after.get(key, by_key[key]) for key in keys])
+                    result.verdicts[text] = gate.combine([after.get(key, by_key[key]) for key in keys])
     # Publish the most urgent first, as each key set's scan chose them.
     result.calls.sort(key=lambda call: (-call.priority, call.id))
     return result
@@ -213,7 +214,7 @@ def put_back(
     for text, group in by_set.items():
         keys = parse_key_set(text)
         with transaction.atomic(using=manager.db):
-            limiter.lock_keys(keys, using=manager.db)
+            locks.lock_keys(keys, using=manager.db)
             won = 0
             units = dict.fromkeys(keys, 0)
             for call in group:
@@ -223,7 +224,7 @@ def put_back(
                     won += 1
                     for key in keys:
                         units[key] += call.units(key)
-            limiter.adjust(keys, reserved=-won, units=units, using=manager.db)
+            ledger.adjust(keys, reserved=-won, units=units, using=manager.db)
             returned += won
     return returned
 

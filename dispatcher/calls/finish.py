@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, models, transaction
 from django.db.models import F
 
-from dispatcher import limiter, sql, tables
+from dispatcher import sql, tables
 from dispatcher.calls.rows import attempts
-from dispatcher.clock import db_now
+from dispatcher.clock import db_now, from_us, to_us
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import parse_key_set
+from dispatcher.limits import catalog, ledger, locks
+from dispatcher.limits.shapes import TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
@@ -68,7 +70,7 @@ def _finish_portable(
                 finished_at=now, outcome=outcome, error=error
             )
             if wake:
-                limiter.wake_dispensers(using=manager.db)
+                locks.wake_dispensers(using=manager.db)
     return won
 
 
@@ -83,7 +85,7 @@ def _finish_postgresql(
     values = [manager.model._meta.get_field(name).get_db_prep_save(value, db) for name, value in changes.items()]
     params = [
         *values, call.id, Status.RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
-        limiter.WAKE_CHANNEL, wake,
+        locks.WAKE_CHANNEL, wake,
     ]
     with db.cursor() as cursor:
         cursor.execute(sql.finish(tuple(changes)), params)
@@ -120,7 +122,7 @@ def finish_done_many(
         "attempts": [attempt.id for _, attempt, _, _ in done],
         "results": [result_field.get_db_prep_save(result, db) for _, _, result, _ in done],
         "wakes": [bool(wake) and bool(call.key_set) for call, _, _, wake in done],
-        "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": limiter.WAKE_CHANNEL,
+        "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": locks.WAKE_CHANNEL,
     }
     with db.cursor() as cursor:
         cursor.execute(sql.finish_done_many(), params)
@@ -161,7 +163,7 @@ def finish_rate_limited(
     max_deferrals = dispatcher_settings.MAX_DEFERRALS
     gives_up = max_deferrals is not None and call.deferrals + 1 > max_deferrals
     with transaction.atomic(using=manager.db):
-        limiter.lock_keys(sorted(set(keys) | set(paused)), using=manager.db)
+        locks.lock_keys(sorted(set(keys) | set(paused)), using=manager.db)
         now = db_now(manager.db)
         until = now + wait
         fields: dict[str, Any] = {"deferrals": F("deferrals") + 1, "attempts": F("attempts") - 1, "last_error": error}
@@ -176,7 +178,7 @@ def finish_rate_limited(
         attempts(manager).filter(id=attempt.id).update(
             finished_at=now, outcome=Outcome.RATE_LIMITED, error=error[:MAX_ERROR_CHARS]
         )
-        limiter.pause(paused, until, reason=f"429 from call #{call.id}", using=manager.db)
+        ledger.pause(paused, until, reason=f"429 from call #{call.id}", using=manager.db)
     return True
 
 
@@ -196,8 +198,8 @@ def correct_cost(
     if not deltas or call.started_at is None:
         return {}
     with transaction.atomic(using=manager.db):
-        limiter.lock_keys(keys, using=manager.db)
-        policies = limiter.Policies.load(manager.db)
+        locks.lock_keys(keys, using=manager.db)
+        policies = catalog.Policies.load(manager.db)
         now = db_now(manager.db)
         starts = tables.KeyStart.objects.using(manager.db)
         buckets = tables.KeyBucket.objects.using(manager.db)
@@ -209,7 +211,7 @@ def correct_cost(
             tables.KeyState.objects.using(manager.db).filter(key=key).update(total=F("total") + delta)
             later: list[tuple[datetime, int]] | None = None
             for policy in policies.for_key(key):
-                if not isinstance(policy, limiter.TokenBucket):
+                if not isinstance(policy, TokenBucket):
                     continue
                 bucket = buckets.filter(key=key, period=policy.period).first()
                 if bucket is None or bucket.since > call.started_at:
@@ -218,11 +220,11 @@ def correct_cost(
                     continue
                 if delta < 0 and later is None:
                     later = _starts_after(manager, key, call, start)
-                tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta, later or ())
+                tat = policy.refund(from_us(bucket.tat_us), now, -delta, later or ())
                 if tat is not None:
-                    buckets.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+                    buckets.filter(id=bucket.id).update(tat_us=to_us(tat))
         if any(delta < 0 for delta in deltas.values()):
-            limiter.wake_dispensers(using=manager.db)
+            locks.wake_dispensers(using=manager.db)
     return deltas
 
 

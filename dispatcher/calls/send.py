@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from django.db import connections, models
 
-from dispatcher import limiter, sql
+from dispatcher import sql
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidParams
 from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, resolve_keys
+from dispatcher.limits import catalog
 from dispatcher.registry import get_handler
 from dispatcher.states import CallStatus as Status
 from dispatcher.validation import OutOfBounds, check_json, check_moment
@@ -109,9 +110,9 @@ class _SendSettings:
         return dispatcher_settings.QUEUE
 
     @cached_property
-    def policies(self) -> limiter.Policies:
+    def policies(self) -> catalog.Policies:
         # Read only for a call that costs more than 1 unit somewhere: 1 unit fits every policy.
-        return limiter.Policies.load(self.db)
+        return catalog.Policies.load(self.db)
 
 
 def _clean_call(

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 from django.db.models import F
 
-from dispatcher import arrivals, limiter, sql, tables
+from dispatcher import arrivals, sql, tables
 from dispatcher.calls.rows import attempts, call_from_row, json_value
 from dispatcher.clock import db_now
 from dispatcher.folded import Folded, folding, start_transaction
 from dispatcher.keys import parse_key_set
+from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
 
@@ -79,16 +80,16 @@ def _start_locked(
     record = None
     with start_transaction(manager.db, fold) as folded:
         if keys:
-            states = limiter.lock_keys(keys, using=manager.db, folded=folded)
+            states = locks.lock_keys(keys, using=manager.db, folded=folded)
             # Read after the lock wait, so a policy edit committed meanwhile binds this start;
             # with the policies this process kept, in the statement that reads the windows.
-            policies, now, read = limiter.policies_for_start(keys, states, using=manager.db)
+            policies, now, read = gate.policies_for_start(keys, states, using=manager.db)
             # Re-checked at the start itself: a message may have waited in the broker while
             # the window filled, a policy tightened or a pause began.
-            assessment = limiter.assess(
+            assessment = gate.assess(
                 keys, states, now, policies, for_start=True, costs=costs, read=read, using=manager.db
             )
-            verdict = limiter.combine(list(assessment.verdicts.values()))
+            verdict = gate.combine(list(assessment.verdicts.values()))
             if (
                 verdict.blocked and verdict.until is not None
                 and verdict.until - now <= min(may_wait, HOLD_FOR_SLOT)
@@ -101,8 +102,8 @@ def _start_locked(
                 # reading (the wait for the slot is not a start-to-send delay).
                 arrivals.mark_clock()
                 now = db_now(manager.db)
-                assessment = limiter.assess(keys, states, now, policies, for_start=True, costs=costs, using=manager.db)
-                verdict = limiter.combine(list(assessment.verdicts.values()))
+                assessment = gate.assess(keys, states, now, policies, for_start=True, costs=costs, using=manager.db)
+                verdict = gate.combine(list(assessment.verdicts.values()))
             if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
                 return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
             if verdict.blocked:
@@ -112,10 +113,10 @@ def _start_locked(
                 )
                 if not deferred:
                     return Started("stale", reason="claimed by another delivery")
-                limiter.adjust(keys, reserved=-1, units=costs, using=manager.db)
+                ledger.adjust(keys, reserved=-1, units=costs, using=manager.db)
                 return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
             capped = any(p.concurrency for key in keys for p in policies.for_key(key))
-            record = limiter.start_record(keys, states, assessment, policies, now, costs)
+            record = gate.start_record(keys, states, assessment, policies, now, costs)
         else:
             now = db_now(manager.db)
         started = _mark_running(manager, call_id, dispatch_no, keys, now, worker[:200], record, folded)
@@ -180,9 +181,9 @@ def _start_group(
         return results
     all_keys = sorted({key for _, _, _, keys, _ in live for key in keys})
     with start_transaction(manager.db, fold) as folded:
-        states = limiter.lock_keys(all_keys, using=manager.db, folded=folded)
-        policies, now, read = limiter.policies_for_start(all_keys, states, using=manager.db)
-        group = limiter.Group(states, policies, now, limiter.assess(
+        states = locks.lock_keys(all_keys, using=manager.db, folded=folded)
+        policies, now, read = gate.policies_for_start(all_keys, states, using=manager.db)
+        group = gate.Group(states, policies, now, gate.assess(
             all_keys, states, now, policies, for_start=True, read=read, using=manager.db
         ))
         admitted = []
@@ -203,7 +204,7 @@ def _start_group(
             )
             if not deferred:
                 raise _GroupRaced
-            limiter.adjust(keys, reserved=-1, units=costs, using=manager.db)
+            ledger.adjust(keys, reserved=-1, units=costs, using=manager.db)
             results[index] = Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
         if admitted:
             started = _mark_running_group(manager, admitted, now, worker, group, folded)
@@ -216,8 +217,8 @@ def _start_group(
 
 
 def _mark_running_group(
-    manager: CallQueueManager, admitted: list[tuple[int, int, int, limiter.StartRecord, bool]], now: datetime, worker: str,
-    group: limiter.Group, folded: Folded | None = None,
+    manager: CallQueueManager, admitted: list[tuple[int, int, int, gate.StartRecord, bool]], now: datetime, worker: str,
+    group: gate.Group, folded: Folded | None = None,
 ) -> dict[int, tuple[CallQueue, Attempt]]:
     """One statement (``sql.mark_running_group``): mark the admitted calls running, open their
     attempts, write their start logs, the buckets' last states and each key's counters (only
@@ -270,10 +271,10 @@ def _started_from_row(
 
 def _mark_running(
     manager: CallQueueManager, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
-    record: limiter.StartRecord | None, folded: Folded | None = None,
+    record: gate.StartRecord | None, folded: Folded | None = None,
 ) -> tuple[CallQueue, Attempt] | None:
     """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
-    record = record or limiter.StartRecord()
+    record = record or gate.StartRecord()
     if sql.postgresql_path(manager.db):
         return _mark_running_postgresql(manager, call_id, dispatch_no, keys, now, worker, record, folded)
     return _mark_running_portable(manager, call_id, dispatch_no, keys, now, worker, record)
@@ -281,7 +282,7 @@ def _mark_running(
 
 def _mark_running_portable(
     manager: CallQueueManager, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
-    record: limiter.StartRecord,
+    record: gate.StartRecord,
 ) -> tuple[CallQueue, Attempt] | None:
     """The guarded update, then the call read back, its attempt, the start log and buckets, the counters."""
     won = manager.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
@@ -293,8 +294,8 @@ def _mark_running_portable(
     attempt = attempts(manager).create(
         call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
     )
-    limiter.record_starts(now, record, call_id, using=manager.db)
-    limiter.adjust(
+    ledger.record_starts(now, record, call_id, using=manager.db)
+    ledger.adjust(
         keys, reserved=-1, units={key: units for key, units, _ in record.log},
         totals={key: cum for key, _, cum in record.log}, using=manager.db,
     )
@@ -303,7 +304,7 @@ def _mark_running_portable(
 
 def _mark_running_postgresql(
     manager: CallQueueManager, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
-    record: limiter.StartRecord, folded: Folded | None,
+    record: gate.StartRecord, folded: Folded | None,
 ) -> tuple[CallQueue, Attempt] | None:
     """The same as one statement (``sql.mark_running``), with a folded start's COMMIT."""
     params: dict[str, Any] = {

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING
 from django.db import models, transaction
 from django.db.models import F, Q
 
-from dispatcher import limiter, tables
+from dispatcher import tables
 from dispatcher.calls.rows import attempts, fail_unreadable
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import read_key_set
+from dispatcher.limits import ledger, locks
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
@@ -80,7 +81,7 @@ def _rescue_one(
 ) -> str:
     """Return one stuck call to waiting (or fail it when out of attempts); say which it was, "" if neither."""
     with transaction.atomic(using=manager.db):
-        limiter.lock_keys(keys, using=manager.db)
+        locks.lock_keys(keys, using=manager.db)
         call = manager.select_for_update().filter(id=call_id).first()
         if call is None:
             return ""
@@ -88,7 +89,7 @@ def _rescue_one(
         if call.status == Status.DISPATCHED and call.dispatched_at and call.dispatched_at < dispatch_cutoff:
             # Claimed but never started: the message was lost; no attempt was spent.
             manager.filter(id=call_id).update(status=Status.PENDING, dispatched_at=None)
-            limiter.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys}, using=manager.db)
+            ledger.adjust(keys, reserved=-1, units={key: call.cost_of(key) for key in keys}, using=manager.db)
             outcome = Status.DISPATCHED
         elif call.status == Status.RUNNING and call.started_at and call.started_at < run_cutoff:
             # Started but never finished: the worker died; the attempt counts.
@@ -106,7 +107,7 @@ def _rescue_one(
                 outcome = Status.RUNNING
         else:
             return ""
-        limiter.wake_dispensers(using=manager.db)
+        locks.wake_dispensers(using=manager.db)
     return outcome
 
 
@@ -121,7 +122,7 @@ def prune(
 
     Only done, failed and cancelled calls are touched, and none that finished within the
     longest policy period, so the attempt history behind a limiter window stays; the
-    window log itself (KeyStart) is trimmed by ``limiter.prune_starts``, which keeps what
+    window log itself (KeyStart) is trimmed by ``ledger.prune_starts``, which keeps what
     a window needs. ``progress(done, total)`` is called after every batch. With
     ``dry_run`` nothing is deleted and the number that would be is returned.
     """
@@ -157,7 +158,7 @@ def prune(
             deleted += manager.filter(id__in=ids).finished().filter(finished_at__lt=cutoff)._raw_delete(manager.db)
         if progress is not None:
             progress(deleted, total)
-    limiter.prune_starts(using=manager.db)
+    ledger.prune_starts(using=manager.db)
     return deleted
 
 
@@ -176,7 +177,7 @@ def retry_now(
                 output_field=models.PositiveIntegerField(),
             ),
         )
-        limiter.wake_dispensers(using=manager.db)
+        locks.wake_dispensers(using=manager.db)
     return waiting + failed
 
 

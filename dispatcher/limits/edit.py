@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 
-from dispatcher import limiter, tables
-from dispatcher.clock import db_now
+from dispatcher import tables
+from dispatcher.clock import db_now, from_us, to_us
 from dispatcher.conf import dispatcher_settings
 from dispatcher.durations import parse_positive_duration
 from dispatcher.keys import is_pattern, validate_policy_key
-from dispatcher.policies import validate as validate_shape
+from dispatcher.limits import ledger, locks
+from dispatcher.limits.shapes import TokenBucket
+from dispatcher.limits.shapes import validate as validate_shape
 
 if TYPE_CHECKING:
     from dispatcher.managers import RateLimitManager
@@ -42,13 +44,13 @@ def set_policy(
                 delete_policies(manager, *moved)
         if not is_pattern(key):
             # Serialise with starts of the key, which read the policies under this lock.
-            limiter.lock_keys([key], using=manager.db)
+            locks.lock_keys([key], using=manager.db)
         old = manager.filter(key=key, period=period).first()
         policy, _ = manager.update_or_create(
             key=key, period=period, defaults={"limit": limit, "concurrency": concurrency, "burst": burst}
         )
         carry_buckets(manager, old, policy, db_now(manager.db))
-        limiter.wake_dispensers(using=manager.db)
+        locks.wake_dispensers(using=manager.db)
     return policy
 
 
@@ -61,13 +63,13 @@ def delete_policies(
     """
     with transaction.atomic(using=manager.db):
         if not is_pattern(key):
-            limiter.lock_keys([key], using=manager.db)
+            locks.lock_keys([key], using=manager.db)
         policies = manager.filter(key=key)
         if period is not None:
             policies = policies.filter(period=period)
         deleted, _ = policies.delete()
         if deleted:
-            limiter.wake_dispensers(using=manager.db)
+            locks.wake_dispensers(using=manager.db)
     return deleted
 
 
@@ -82,12 +84,12 @@ def carry_buckets(
     guard = dispatcher_settings.ARRIVAL_GUARD
     before = old.as_policy().with_guard(guard) if old is not None else None
     after = new.as_policy().with_guard(guard)
-    if not (isinstance(before, limiter.TokenBucket) and isinstance(after, limiter.TokenBucket)):
+    if not (isinstance(before, TokenBucket) and isinstance(after, TokenBucket)):
         buckets.delete()
         return
-    for bucket in buckets.filter(tat_us__gt=limiter.to_us(now)):
-        tat = before.rebase(limiter.from_us(bucket.tat_us), now, after)
-        tables.KeyBucket.objects.using(manager.db).filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
+    for bucket in buckets.filter(tat_us__gt=to_us(now)):
+        tat = before.rebase(from_us(bucket.tat_us), now, after)
+        tables.KeyBucket.objects.using(manager.db).filter(id=bucket.id).update(tat_us=to_us(tat))
 
 
 def pause_key(
@@ -98,7 +100,7 @@ def pause_key(
         raise ValueError("a pause must last longer than zero")
     with transaction.atomic(using=manager.db):
         until = db_now(manager.db) + duration
-        limiter.pause([key], until, reason, using=manager.db)
+        ledger.pause([key], until, reason, using=manager.db)
     return until
 
 
@@ -107,7 +109,7 @@ def resume_key(
     """Lift the pause of a key (or pattern); return how many pauses were lifted."""
     with_pause = tables.KeyState.objects.using(manager.db).filter(key=key, paused_until__isnull=False)
     lifted = with_pause.update(paused_until=None, pause_reason="")
-    limiter.wake_dispensers(using=manager.db)
+    locks.wake_dispensers(using=manager.db)
     return lifted
 
 

@@ -9,8 +9,8 @@ from django.core.management.base import BaseCommand, CommandError
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
+from dispatcher.limits.shapes import PolicyError
 from dispatcher.models import CallQueue, KeyState, RateLimit
-from dispatcher.policies import PolicyError
 from dispatcher.status import format_moment
 
 

@@ -11,8 +11,8 @@ request's arrival at the API: a window counts over ``period + guard``; a bucket 
 ``ceil(guard / interval)`` of its burst (capped so one unit still fits) and lengthens its
 interval by what the burst could not absorb. See ``effective`` of each shape for the proof
 sketch and docs/policies.md for the cost in throughput. The guard applied to a key is the
-start-to-send delay its workers measured lately (``learnt_delay``,
-kept by ``remember_delay``) with that floor on top, capped by ``DISPATCHER_ARRIVAL_GUARD_MAX``.
+start-to-send delay its workers measured lately, with that floor on top, capped
+(``dispatcher.limits.guard``).
 """
 from __future__ import annotations
 
@@ -343,74 +343,6 @@ class TokenBucket(Policy):
         return f"{float(self._interval_exact) / 1000:g}ms"
 
 
-# --- the learnt guard: start-to-send delays remembered per key -----------------------------------
-
-# Delays are remembered at least this long whatever the policies, so a key sends at most a few
-# measurements per second, and at most this long, so one slow moment does not tax a day window
-# for a day (older delays fall back to the configured floor).
-MEMORY_MIN = timedelta(seconds=1)
-MEMORY_MAX = timedelta(minutes=10)
-
-
-def memory(policies: Sequence[Policy], guard: timedelta = timedelta(0)) -> timedelta:
-    """Return how long a key's measured delays must be remembered, bounded: its policies' longest
-    horizon and the largest guard (a start that bears on what a policy admits now began at most
-    that long ago, and its delay was measured later still)."""
-    longest = max((p.horizon for p in policies), default=MEMORY_MIN) + guard
-    return min(max(longest, MEMORY_MIN), MEMORY_MAX)
-
-
-@dataclass(frozen=True)
-class DelayMemory:
-    """The largest start-to-send delay measured on a key in its current span of ``memory`` and the one before.
-
-    ``current`` holds the delays measured since ``since``; ``previous`` those of the span before.
-    """
-
-    current: timedelta = timedelta(0)
-    previous: timedelta = timedelta(0)
-    since: datetime | None = None
-
-
-def learnt_delay(kept: DelayMemory, now: datetime, span: timedelta) -> timedelta:
-    """Return the largest delay measured within the last ``span`` before ``now`` (or more, never less).
-
-    Every measurement made a ``span`` or more after ``since`` rolls the memory over
-    (``remember_delay``), so if none did, none was made since ``since + span``: ``current``
-    covers what the last span measured, and after two spans nothing was measured at all.
-    """
-    if kept.since is None:
-        return timedelta(0)
-    age = now - kept.since
-    if age < span:
-        return max(kept.current, kept.previous)
-    if age < 2 * span:
-        return kept.current
-    return timedelta(0)
-
-
-def remember_delay(kept: DelayMemory, now: datetime, span: timedelta, measured: timedelta) -> DelayMemory | None:
-    """Return the memory after a delay measured at ``now`` (None: nothing changes, nothing to write)."""
-    measured = max(measured, timedelta(0))
-    if kept.since is None or now - kept.since >= 2 * span:
-        return DelayMemory(measured, timedelta(0), now)
-    if now - kept.since >= span:
-        return DelayMemory(measured, kept.current, now)
-    if measured > kept.current:
-        return DelayMemory(measured, kept.previous, kept.since)
-    return None
-
-
-def arrival_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> timedelta:
-    """Return the guard a key's policies absorb: the configured guard on top of the measured delay,
-    at most the cap (and never less than the configured guard).
-
-    The measured delay ends when the request leaves the worker; what follows (the network, the
-    API reading the request) varies too and is not measured: the configured guard covers it.
-    """
-    return max(floor, min(cap, floor + learnt))
-
-
 def _floor_td(value: Fraction) -> timedelta:
     return timedelta(microseconds=math.floor(value))
 
@@ -454,32 +386,3 @@ def validate(limit: object, period: object, burst: object = None, concurrency: o
             raise PolicyError(
                 f"a burst needs a period of at least one microsecond per unit: {limit} per {period} is too fast"
             )
-
-
-# --- cumulative start log: a window's count as two index probes --------------------------------
-
-
-@dataclass(frozen=True)
-class LogEntry:
-    """One start in a key's log: when, how many units, and the key's running total after it."""
-
-    at: datetime
-    units: int
-    cum: int
-
-
-def used_from_log(total: int, first_in_window: LogEntry | None) -> int:
-    """Return the units in a window from the key's running total and the window's first entry."""
-    if first_in_window is None:
-        return 0
-    return total - (first_in_window.cum - first_in_window.units)
-
-
-def first_in_window(log: Sequence[LogEntry], since: datetime) -> LogEntry | None:
-    """Return the oldest entry at or after ``since`` (what the database's index probe returns)."""
-    return next((e for e in log if e.at >= since), None)
-
-
-def leaves_at_from_log(log: Sequence[LogEntry], base: int, n: int) -> datetime | None:
-    """Return the start time of the entry holding the n-th unit after ``base`` (the window's start)."""
-    return next((e.at for e in log if e.cum >= base + n), None)

@@ -1,0 +1,252 @@
+"""Which policies govern a key: configured policies, pattern pauses and learnt limits, loaded per pass or start and _kept per process by version."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from django.core.signals import setting_changed
+from django.db import connections, models
+from django.db.models.functions import Now
+
+from dispatcher import arrivals, sql, tables
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
+from dispatcher.keys import is_pattern, pattern_matches
+from dispatcher.limits.guard import arrival_guard, delay_memory, learnt_delay, memory
+from dispatcher.limits.locks import alias
+from dispatcher.limits.shapes import Policy as PolicyShape
+from dispatcher.limits.shapes import SlidingWindow, make_policy
+
+if TYPE_CHECKING:
+    from dispatcher.models import KeyState
+
+
+# Marks learnt limits among the policy rows (no real policy has a negative concurrency).
+LEARNT = -1
+
+
+
+
+# A sliding window built from keyword arguments, as other sources of policies (learnt limits)
+# construct them: Policy(key=..., limit=..., period=...).
+Policy = SlidingWindow
+
+
+@dataclass
+class Policies:
+    """All policies and pattern pauses, loaded once per dispense pass or start."""
+
+    exact: dict[str, list[PolicyShape]] = field(default_factory=dict)
+    patterns: list[tuple[str, list[PolicyShape]]] = field(default_factory=list)
+    pattern_pauses: dict[str, datetime] = field(default_factory=dict)
+    # Limits an API announced (dispatcher.learning), applied on top of the key's own policies.
+    learnt: dict[str, list[PolicyShape]] = field(default_factory=dict)
+    # When the first of the learnt limits expires (these policies are not current after it).
+    learnt_until: datetime | None = None
+    # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
+    # the delay it was learnt from, how long the key's delays are remembered, and the key's
+    # policies with the guard applied. A start's own: ``fresh`` gives each start a copy.
+    guards: dict[str, timedelta] = field(default_factory=dict)
+    learnt_delays: dict[str, timedelta] = field(default_factory=dict)
+    spans: dict[str, timedelta] = field(default_factory=dict)
+    _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
+        exact: dict[str, list[PolicyShape]] = {}
+        grouped: dict[str, list[PolicyShape]] = {}
+        for policy in rows:
+            target = grouped if is_pattern(policy.key) else exact
+            target.setdefault(policy.key, []).append(policy)
+        # The longest (most specific) pattern wins when several match a key.
+        patterns = sorted(grouped.items(), key=lambda item: len(item[0]), reverse=True)
+        return cls(exact=exact, patterns=patterns, pattern_pauses=dict(pattern_pauses or {}))
+
+    @classmethod
+    def load(cls, using: str | None = None) -> Policies:
+        """Read every policy and every pattern pause from the database, in one query."""
+        db = alias(using)
+        if sql.postgresql_path(db):
+            # Runs at every start: the query is compiled once per process and alias (it has no
+            # arguments), and PostgreSQL's rows need no conversion.
+            policies_sql, params = policies_statement(db)
+            with connections[db].cursor() as cursor:
+                cursor.execute(policies_sql, params)
+                rows = cursor.fetchall()
+        else:
+            rows = list(_policies_query(db))
+        return cls._from_db_rows(rows)
+
+    @classmethod
+    def load_with_clock(cls, using: str | None = None) -> tuple[Policies, datetime]:
+        """Read the policies and the database's clock (``db_now``) in one round trip."""
+        db = alias(using)
+        if not sql.postgresql_path(db):
+            policies = cls.load(db)
+            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
+            return policies, db_now(db)
+        # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
+        # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
+        # and the LEFT JOIN returns it even when no policy exists.
+        policies_sql, params = policies_statement(db)
+        with connections[db].cursor() as cursor:
+            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
+            cursor.execute(sql.policies_with_clock(policies_sql), params)
+            rows = cursor.fetchall()
+        policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
+        remember_policies(db, rows[0][1], policies)
+        return policies, rows[0][0]
+
+    @classmethod
+    def _from_db_rows(cls, rows: Iterable[tuple]) -> Policies:
+        guard = dispatcher_settings.ARRIVAL_GUARD
+        policies: list[PolicyShape] = []
+        pattern_pauses: dict[str, datetime] = {}
+        learnt: dict[str, list[PolicyShape]] = {}
+        expiries: list[datetime] = []
+        for key, limit, period, burst, concurrency, until in rows:
+            if concurrency == LEARNT:
+                # Learnt limits are windows that absorb the same arrival guard as configured ones.
+                learnt.setdefault(key, []).append(SlidingWindow(key, limit, period, None, guard))
+                if until is not None:
+                    expiries.append(until)
+            elif until is not None:
+                pattern_pauses[key] = until
+            else:
+                policies.append(make_policy(key, limit, period, burst, concurrency, guard))
+        loaded = cls.from_rows(policies, pattern_pauses)
+        loaded.learnt = learnt
+        loaded.learnt_until = min(expiries, default=None)
+        return loaded
+
+    def configured_for_key(self, key: str) -> list[PolicyShape]:
+        """Return the policies set for a key: its exact ones, else the most specific pattern's."""
+        if key in self.exact:
+            return self.exact[key]
+        for pattern, policies in self.patterns:
+            if pattern_matches(pattern, key):
+                return policies
+        return []
+
+    def for_key(self, key: str) -> list[PolicyShape]:
+        """Return the policies governing a key: the ones set for it and the limits learnt for it,
+        with the key's learnt arrival guard once ``apply_guards`` has set one."""
+        if key in self._guarded:
+            return self._guarded[key]
+        learnt = self.learnt.get(key, []) if self.learnt else []
+        governing = self.configured_for_key(key) + learnt
+        guard = self.guards.get(key)
+        if guard is None:
+            return governing
+        guarded = self._guarded[key] = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
+        return guarded
+
+    def fresh(self) -> Policies:
+        """Return these policies without any key's learnt guard: a start's own copy to guard.
+
+        A process keeps its policies for later starts, on several threads at once; each start
+        applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
+        """
+        return dataclasses.replace(self, guards={}, learnt_delays={}, spans={}, _guarded={})
+
+    def apply_guards(
+        self, keys: Iterable[str], states: Mapping[str, KeyState], now: datetime | None
+    ) -> dict[str, timedelta]:
+        """Give each key's policies the guard its measured delays call for; return each key's memory span.
+
+        ``now`` None: before the clock is read (``policies_for_start``), the largest delay the key
+        remembers from its last two spans, which is never less than what ``now`` would find.
+        """
+        floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX
+        spans = {}
+        for key in keys:
+            self._guarded.pop(key, None)
+            self.guards.pop(key, None)
+            governing = self.for_key(key)
+            if not governing:
+                continue
+            span = spans[key] = self.spans[key] = memory(governing, max(floor, cap))
+            _kept = delay_memory(states.get(key))
+            if now is None:
+                learnt = max(_kept.current, _kept.previous) if _kept.since is not None else timedelta(0)
+            else:
+                learnt = learnt_delay(_kept, now, span)
+            self.learnt_delays[key] = learnt
+            self.guards[key] = arrival_guard(floor, cap, learnt)
+        return spans
+
+    def pattern_pause(self, key: str) -> datetime | None:
+        latest = None
+        for pattern, until in self.pattern_pauses.items():
+            if pattern_matches(pattern, key) and (latest is None or until > latest):
+                latest = until
+        return latest
+
+    def never_fits(self, costs: Mapping[str, int]) -> str | None:
+        """Say which configured policy a call of these costs per key could never fit, if one.
+
+        Learnt limits are left out: they last only until they expire.
+        """
+        for key, cost in costs.items():
+            for policy in self.configured_for_key(key):
+                if cost > policy.capacity():
+                    return f"cost {cost} on key {key!r} can never fit its policy {policy.explain()}" + (
+                        f" (holds {policy.capacity()} units with DISPATCHER_ARRIVAL_GUARD)"
+                        if policy.capacity() < getattr(policy, "burst", policy.limit) else ""
+                    )
+        return None
+
+
+def _policies_query(db: str) -> models.QuerySet:
+    """The policies, then the pattern pauses with the policy columns empty, then the unexpired
+    learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
+    policies = tables.RateLimit.objects.using(db).order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
+        "key", "limit", "period", "burst", "concurrency", "until"
+    )
+    pauses = tables.KeyState.objects.using(db).order_by().filter(key__endswith="*", paused_until__isnull=False).annotate(
+        no_limit=models.Value(None, models.IntegerField()),
+        no_period=models.Value(None, models.DurationField()),
+        no_burst=models.Value(None, models.IntegerField()),
+        no_concurrency=models.Value(None, models.IntegerField()),
+    ).values_list("key", "no_limit", "no_period", "no_burst", "no_concurrency", "paused_until")
+    learnt = tables.LearntLimit.objects.using(db).order_by().filter(expires_at__gt=Now()).annotate(
+        no_burst=models.Value(None, models.IntegerField()),
+        marker=models.Value(LEARNT, models.IntegerField()),
+    ).values_list("key", "limit", "period", "no_burst", "marker", "expires_at")
+    return policies.union(pauses, learnt, all=True)
+
+
+@functools.cache
+def policies_statement(db: str) -> tuple[str, tuple]:
+    query = _policies_query(db).query
+    return query.get_compiler(using=db).as_sql()
+
+
+# The policies each database's last reading in this process found, and their version (see
+# ``sql.POLICY_VERSION``), shared by the process's threads.
+_kept: dict[str, tuple[int, Policies]] = {}
+
+
+def remember_policies(db: str, version: int | None, policies: Policies) -> None:
+    if version is None:
+        _kept.pop(db, None)
+    else:
+        _kept[db] = (version, policies.fresh())
+
+
+def kept_policies(using: str | None = None) -> tuple[int, Policies] | None:
+    """Return the version and policies this process keeps for a database, if any."""
+    return _kept.get(alias(using))
+
+
+def forget_policies(*, setting: str = "DISPATCHER_", **kwargs: object) -> None:
+    """Drop the _kept policies (Django's setting_changed: the arrival guard shapes them)."""
+    if setting.startswith("DISPATCHER_"):
+        _kept.clear()
+
+
+setting_changed.connect(forget_policies, dispatch_uid="dispatcher.limiter.forget_policies")

@@ -1,0 +1,88 @@
+"""The learnt arrival guard: start-to-send delays remembered per key, and the guard they call for."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from dispatcher.limits.shapes import Policy
+
+if TYPE_CHECKING:
+    from dispatcher.models import KeyState
+
+# Delays are remembered at least this long whatever the policies, so a key sends at most a few
+# measurements per second, and at most this long, so one slow moment does not tax a day window
+# for a day (older delays fall back to the configured floor).
+MEMORY_MIN = timedelta(seconds=1)
+MEMORY_MAX = timedelta(minutes=10)
+
+
+def memory(policies: Sequence[Policy], guard: timedelta = timedelta(0)) -> timedelta:
+    """Return how long a key's measured delays must be remembered, bounded: its policies' longest
+    horizon and the largest guard (a start that bears on what a policy admits now began at most
+    that long ago, and its delay was measured later still)."""
+    longest = max((p.horizon for p in policies), default=MEMORY_MIN) + guard
+    return min(max(longest, MEMORY_MIN), MEMORY_MAX)
+
+
+@dataclass(frozen=True)
+class DelayMemory:
+    """The largest start-to-send delay measured on a key in its current span of ``memory`` and the one before.
+
+    ``current`` holds the delays measured since ``since``; ``previous`` those of the span before.
+    """
+
+    current: timedelta = timedelta(0)
+    previous: timedelta = timedelta(0)
+    since: datetime | None = None
+
+
+def learnt_delay(kept: DelayMemory, now: datetime, span: timedelta) -> timedelta:
+    """Return the largest delay measured within the last ``span`` before ``now`` (or more, never less).
+
+    Every measurement made a ``span`` or more after ``since`` rolls the memory over
+    (``remember_delay``), so if none did, none was made since ``since + span``: ``current``
+    covers what the last span measured, and after two spans nothing was measured at all.
+    """
+    if kept.since is None:
+        return timedelta(0)
+    age = now - kept.since
+    if age < span:
+        return max(kept.current, kept.previous)
+    if age < 2 * span:
+        return kept.current
+    return timedelta(0)
+
+
+def remember_delay(kept: DelayMemory, now: datetime, span: timedelta, measured: timedelta) -> DelayMemory | None:
+    """Return the memory after a delay measured at ``now`` (None: nothing changes, nothing to write)."""
+    measured = max(measured, timedelta(0))
+    if kept.since is None or now - kept.since >= 2 * span:
+        return DelayMemory(measured, timedelta(0), now)
+    if now - kept.since >= span:
+        return DelayMemory(measured, kept.current, now)
+    if measured > kept.current:
+        return DelayMemory(measured, kept.previous, kept.since)
+    return None
+
+
+def arrival_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> timedelta:
+    """Return the guard a key's policies absorb: the configured guard on top of the measured delay,
+    at most the cap (and never less than the configured guard).
+
+    The measured delay ends when the request leaves the worker; what follows (the network, the
+    API reading the request) varies too and is not measured: the configured guard covers it.
+    """
+    return max(floor, min(cap, floor + learnt))
+
+
+def delay_memory(state: KeyState | None) -> DelayMemory:
+    """Return the start-to-send delays a key's state row remembers."""
+    if state is None:
+        return DelayMemory()
+    return DelayMemory(
+        timedelta(microseconds=getattr(state, "send_delay_us", 0) or 0),
+        timedelta(microseconds=getattr(state, "send_delay_prev_us", 0) or 0),
+        getattr(state, "send_delay_since", None),
+    )

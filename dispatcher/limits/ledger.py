@@ -1,0 +1,159 @@
+"""The limiter's counters and logs: reserved units, the start log, bucket states, pauses and the remembered send delays."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
+
+from django.db import connections, models, transaction
+from django.db.models import Q
+
+from dispatcher import sql, tables
+from dispatcher.clock import db_now
+from dispatcher.conf import dispatcher_settings
+from dispatcher.limits.guard import delay_memory, remember_delay
+from dispatcher.limits.locks import alias, lock_keys
+
+if TYPE_CHECKING:
+    from dispatcher.limits.gate import StartRecord
+
+
+def record_starts(at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None) -> None:
+    """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
+    db = alias(using)
+    tables.KeyStart.objects.using(db).bulk_create(
+        [tables.KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
+    )
+    if record.buckets:
+        tables.KeyBucket.objects.using(db).bulk_create(
+            [tables.KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
+            update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
+        )
+
+
+def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None, using: str | None = None) -> None:
+    """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one statement."""
+    units = units or by_key
+    by_key = {key: n for key, n in by_key.items() if n}
+    if not by_key:
+        return
+    params = [value for pair in by_key.items() for value in pair]
+    params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
+    params += list(by_key)
+    with connections[alias(using)].cursor() as cursor:
+        cursor.execute(sql.adjust_reserved(len(by_key)), params)
+
+
+def adjust(
+    keys: Sequence[str],
+    *,
+    reserved: int = 0,
+    units: Mapping[str, int] | None = None,
+    totals: Mapping[str, int] | None = None,
+    using: str | None = None,
+) -> None:
+    """Move the reserved counters of locked keys; ``units`` per key go with ``reserved`` (default 1 per call).
+
+    ``totals`` sets the keys' running totals of units started (a start's new totals). Running
+    calls have no counter: a capped key counts them from the calls at its check (``read_keys``).
+    """
+    if not keys or reserved == 0:
+        return
+    states = tables.KeyState.objects.using(alias(using))
+    if units is None and not totals:
+        states.filter(key__in=list(keys)).update(
+            reserved=models.F("reserved") + reserved,
+            reserved_units=models.F("reserved_units") + reserved,
+        )
+        return
+    # Per key: each moves by its own units, and a start sets each key's own running total.
+    sign = 1 if reserved > 0 else -1
+    for key in keys:
+        states.filter(key=key).update(
+            reserved=models.F("reserved") + reserved,
+            reserved_units=models.F("reserved_units") + sign * (units or {}).get(key, abs(reserved)),
+            **({"total": totals[key]} if totals else {}),
+        )
+
+
+
+
+def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:
+    """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
+
+    On PostgreSQL one statement (``sql.remember_send_delay``) that writes only rows whose memory
+    changes (a new largest delay, or a span gone by: at most a few per key and second); a worker
+    calls it only when its start's reading says the memory changes. Several keys are locked
+    first, in key order as every locker does: an UPDATE locks the rows it writes in the order it
+    finds them (their place in the table), and a start holding one of them while waiting for the
+    other would deadlock with it (the soak test met one a second).
+    """
+    if not spans:
+        return 0
+    db = alias(using)
+    if sql.postgresql_path(db):
+        us = delay // timedelta(microseconds=1)
+        several = len(spans) > 1
+        with transaction.atomic(using=db) if several else contextlib.nullcontext():
+            if several:
+                lock_keys(list(spans), using=db)
+            with connections[db].cursor() as cursor:
+                cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+                return cursor.rowcount
+    written = 0
+    states = tables.KeyState.objects.using(db)
+    with transaction.atomic(using=db):
+        now = db_now(db)
+        for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
+            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
+            if kept is not None:
+                written += states.filter(key=state.key).update(
+                    send_delay_us=kept.current // timedelta(microseconds=1),
+                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
+                    send_delay_since=kept.since,
+                )
+    return written
+
+
+def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:
+    """Move the buckets of keys on by how much later than their guard allowed a request went out.
+
+    A bucket's state is charged at the start with the guard known then; a request sent later
+    arrives later, and GCRA's state moves at most as much as an arrival does, so moving it on by
+    the difference keeps it at or past the API's. Under the key locks: a start reads and writes
+    the bucket under them.
+    """
+    db = alias(using)
+    with transaction.atomic(using=db):
+        lock_keys(list(overdue), using=db)
+        for key, (periods, late) in overdue.items():
+            tables.KeyBucket.objects.using(db).filter(key=key, period__in=list(periods)).update(
+                tat_us=models.F("tat_us") + late // timedelta(microseconds=1)
+            )
+
+
+def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:
+    """Pause keys until the given time, never shortening a longer pause already set."""
+    states = tables.KeyState.objects.using(alias(using))
+    for key in keys:
+        states.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
+        states.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
+            paused_until=until, pause_reason=reason[:200]
+        )
+
+
+def prune_starts(batch: int = 5000, using: str | None = None) -> int:
+    """Delete window-log rows older than the longest policy period (at least an hour)."""
+    # Kept as long as the longest window counts (its period and the largest arrival guard).
+    db = alias(using)
+    longest = max([timedelta(hours=1), *tables.RateLimit.objects.using(db).values_list("period", flat=True)])
+    cutoff = db_now(db) - longest - max(dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX)
+    deleted = 0
+    while True:
+        with transaction.atomic(using=db):
+            starts = tables.KeyStart.objects.using(db)
+            ids = list(starts.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
+            if not ids:
+                return deleted
+            deleted += starts.filter(id__in=ids)._raw_delete(db)
