@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from dispatcher.sql import READ_CLOCK
+from dispatcher.store.schema import READ_CLOCK
 
 
 def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:

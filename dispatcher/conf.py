@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -83,22 +84,13 @@ class DispatcherSettings:
     MAX_DEFERRALS = Setting(None, _as_optional_int, "429 deferrals before a call fails (empty: never).")
     RETRY_BASE = Setting("2s", parse_duration, "First retry delay; doubles with each attempt.")
     RETRY_MAX = Setting("1h", parse_duration, "Longest retry delay.")
-    RETRY_JITTER = Setting(0.25, _as_float, "Random share added to a retry delay (0.25 = up to +25%).")
     DEFAULT_RETRY_AFTER = Setting("5s", parse_duration, "Pause after a 429 that names no Retry-After.")
     DISPATCH_TIMEOUT = Setting("5m", parse_duration, "A call dispatched but not started for this long is rescued.")
     RUN_TIMEOUT = Setting("15m", parse_duration, "A call running for this long is rescued (its attempt counts).")
     RETENTION = Setting("7d", parse_duration, "Finished calls older than this are pruned.")
-    DISPENSE_BATCH = Setting(500, _as_int, "Most calls one dispense pass moves.")
-    DISPENSE_INTERVAL = Setting("5s", parse_duration, "How often beat runs a dispense pass.")
-    RESCUE_INTERVAL = Setting("30s", parse_duration, "How often beat runs the rescue sweep.")
-    PRUNE_CRONTAB = Setting("0 3 * * *", str, "When beat runs prune_calls (cron: minute hour dom month dow).")
     CALLS_PER_MESSAGE = Setting(
         1, _as_int,
         "Calls a dispenser puts in one Celery message; a worker starts them together and runs them at once (PostgreSQL).",
-    )
-    DISPATCH_AHEAD = Setting(
-        "100ms", parse_duration,
-        "How early a dispenser may claim a call for a slot about to free; its worker waits for the slot.",
     )
     HEARTBEAT_TIMEOUT = Setting(
         "1m", parse_duration,
@@ -110,11 +102,6 @@ class DispatcherSettings:
         "(a window counts over period + guard; a bucket holds back burst, or slows its rate); a key's "
         "guard adds the start-to-send delay its workers measure.",
     )
-    ARRIVAL_GUARD_MAX = Setting(
-        "250ms", _non_negative_duration,
-        "Largest guard a key's measured start-to-send delays may raise it to (set it to DISPATCHER_ARRIVAL_GUARD "
-        "to use the configured guard alone).",
-    )
     POLL_INTERVAL = Setting("1s", parse_duration, "Longest sleep of `dispense --loop` between passes.")
     QUEUE = Setting("", str, "Celery queue for calls that name none (empty: Celery's default queue).")
     HTTP_ALLOWED_HOSTS = Setting(
@@ -125,11 +112,6 @@ class DispatcherSettings:
         "Settings/env names http headers may reference as {'secret': NAME}; NAME[:Header]@host[:port] binds one to hosts.",
     )
     HTTP_TIMEOUT = Setting(30.0, _as_float, "Default timeout of the http handler, in seconds.")
-    HTTP_MAX_CONNECTIONS = Setting(
-        100, _as_int,
-        "Connections the http handler's client of a worker process opens and keeps alive at most (read when it is created).",
-    )
-    HTTP_MAX_BODY = Setting(4096, _as_int, "Characters of a response body the http handler stores (and about all it reads).")
     HTTP_ALLOW_INTERNAL_NAMES = Setting(
         False, _as_bool,
         "Let allow-listed host names resolve to loopback, private or link-local addresses (IPs listed literally always may).",
@@ -137,8 +119,6 @@ class DispatcherSettings:
     MAX_PAUSE = Setting("1h", parse_duration, "Longest a downstream's 429, Retry-After or rate-limit header may pause a key.")
     LEARNT_LIMIT_TTL = Setting("1h", parse_duration, "How long a limit learnt from an API's headers lasts unless repeated.")
     RATE_LIMITS = Setting((), list, "Policies seeded at migrate: [{'key', 'limit', 'period', 'burst'?, 'concurrency'?}].")
-    PRUNE_BATCH = Setting(1000, _as_int, "Rows prune_calls deletes per transaction.")
-    RESCUE_BATCH = Setting(200, _as_int, "Calls the rescue sweep returns per transaction.")
     API_TOKENS = Setting("", _as_list, "Bearer tokens accepted by the HTTP enqueue/status API (comma-separated).")
     METRICS_TOKENS = Setting("", _as_list, "Bearer tokens accepted by /metrics (comma-separated).")
     METRICS_PUBLIC = Setting(False, _as_bool, "Serve /metrics to anyone (otherwise: a token or staff with view permission).")
@@ -147,14 +127,50 @@ class DispatcherSettings:
         """Forget every value read, so the next reads see the settings and the environment of now."""
         self.__dict__.clear()
 
-    def as_rows(self) -> list[tuple[str, str, str]]:
-        """Return (name, default, description) for every setting, for docs."""
-        rows = []
-        for name, value in vars(type(self)).items():
-            if isinstance(value, Setting):
-                rows.append((f"DISPATCHER_{name}", repr(value.default), value.doc))
-        return rows
+    def tuned(self, name: str, constant: Any) -> Any:
+        """Return an internal constant, or the value of its deprecated ``DISPATCHER_<name>`` setting.
 
+        These were settings before 0.9; each is now a named constant beside the code it tunes. A
+        site that still sets one keeps its value for one release, with a DeprecationWarning.
+        """
+        key = f"tuned:{name}"
+        if key in self.__dict__:
+            return self.__dict__[key]
+        full = f"DISPATCHER_{name}"
+        value = getattr(django_settings, full, _MISSING)
+        if value is _MISSING:
+            value = os.environ.get(full, _MISSING)
+        if value is _MISSING:
+            found = constant
+        else:
+            warnings.warn(
+                f"{full} is deprecated and will be ignored in the next release: {DEPRECATED[name]}",
+                DeprecationWarning, stacklevel=2,
+            )
+            found = _DEPRECATED_PARSERS[name](value)
+        self.__dict__[key] = found
+        return found
+
+
+# Settings that became named constants (``DispatcherSettings.tuned``), and where each lives now.
+DEPRECATED = {
+    "DISPENSE_BATCH": "dispatcher.dispenser.DISPENSE_BATCH",
+    "DISPATCH_AHEAD": "dispatcher.dispenser.DISPATCH_AHEAD",
+    "RESCUE_BATCH": "dispatcher.calls.sweep.RESCUE_BATCH",
+    "PRUNE_BATCH": "dispatcher.calls.sweep.PRUNE_BATCH (prune_calls --batch-size)",
+    "RETRY_JITTER": "dispatcher.retry.JITTER",
+    "ARRIVAL_GUARD_MAX": "dispatcher.limits.guard.GUARD_MAX",
+    "HTTP_MAX_CONNECTIONS": "dispatcher.httpclient.MAX_CONNECTIONS",
+    "HTTP_MAX_BODY": "dispatcher.handlers.MAX_BODY",
+    "DISPENSE_INTERVAL": "beat's own schedule row dispatcher.dispense (seeded once, then edited in the admin)",
+    "RESCUE_INTERVAL": "beat's own schedule row dispatcher.rescue (seeded once, then edited in the admin)",
+    "PRUNE_CRONTAB": "beat's own schedule row dispatcher.prune (seeded once, then edited in the admin)",
+}
+_DEPRECATED_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "DISPENSE_BATCH": _as_int, "DISPATCH_AHEAD": parse_duration, "RESCUE_BATCH": _as_int, "PRUNE_BATCH": _as_int,
+    "RETRY_JITTER": _as_float, "ARRIVAL_GUARD_MAX": _non_negative_duration, "HTTP_MAX_CONNECTIONS": _as_int,
+    "HTTP_MAX_BODY": _as_int, "DISPENSE_INTERVAL": parse_duration, "RESCUE_INTERVAL": parse_duration, "PRUNE_CRONTAB": str,
+}
 
 dispatcher_settings = DispatcherSettings()
 

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 from celery import current_app
 from django.db import close_old_connections, connections
 
-from dispatcher import liveness, sql
+from dispatcher import liveness
+from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.faults import maybe_fail
 from dispatcher.limits import catalog, locks
 from dispatcher.managers import Claimed
 from dispatcher.models import CallQueue
+from dispatcher.store import schema
 
 # The Celery tasks that run claimed calls (dispatcher.tasks): one call, or several of one queue.
 RUN_CALL, RUN_CALLS = "dispatcher.run_call", "dispatcher.run_calls"
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatcher")
 
+# Most calls one pass moves: a pass stays a short transaction, and the next one starts at once
+# when this one was full.
+DISPENSE_BATCH = 500
 
 
 @dataclass
@@ -49,7 +54,7 @@ class Dispenser:
     """Runs dispense passes; keeps a round-robin cursor so that every key set gets its turn."""
 
     def __init__(self, batch: int | None = None) -> None:
-        self.batch = batch or dispatcher_settings.DISPENSE_BATCH
+        self.batch = batch or dispatcher_settings.tuned("DISPENSE_BATCH", DISPENSE_BATCH)
         self.cursor: str | None = None
 
     def run_once(self) -> PassReport:
@@ -76,7 +81,7 @@ class Dispenser:
             # Claims judge the policies DISPATCHER_DISPATCH_AHEAD ahead (the worker waits for the
             # slot), so look again that much before room returns: a call then reaches its worker
             # as its slot frees rather than a claim, a publish and a delivery after it.
-            ahead = dispatcher_settings.DISPATCH_AHEAD
+            ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
             waits = [v.until - ahead for v in claimed.verdicts.values() if v.blocked and v.until is not None]
         report.full = report.moved >= self.batch
         if not report.full:
@@ -156,7 +161,7 @@ class Waiter:
             params.pop("cursor_factory", None)
             params.pop("context", None)
             self.conn = psycopg.connect(**params, autocommit=True)
-            self.conn.execute(sql.listen(locks.WAKE_CHANNEL))
+            self.conn.execute(schema.listen(locks.WAKE_CHANNEL))
         return self.conn
 
     def wait(self, timeout: float, stop: threading.Event) -> None:

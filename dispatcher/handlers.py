@@ -35,6 +35,9 @@ FORBIDDEN_HEADERS = {
 HEADER_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+")
 HEADER_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
 MAX_HEADER_VALUE = 8192
+# Characters of a response body stored with the call (and about all that is read of it): enough
+# for an error message or an id, never a whole download.
+MAX_BODY = 4096
 # A URL character that is a space, a control or DEL.
 URL_REFUSED_CHAR = re.compile(r"[\x00-\x20\x7f]")
 
@@ -299,7 +302,7 @@ def http(**params: Any) -> dict[str, Any]:
     elif params.get("data") is not None:
         request["content"] = params["data"]
     origin = f"{host}:{port}" if port is not None else host
-    limit = max(dispatcher_settings.HTTP_MAX_BODY, 0)
+    limit = max(dispatcher_settings.tuned("HTTP_MAX_BODY", MAX_BODY), 0)
     try:
         # ``timeout`` bounds the whole call: connect, send, headers and body together.
         # The trace hook tells the worker when the request's headers go out (the learnt arrival guard).

@@ -35,6 +35,10 @@ from dispatcher.conf import dispatcher_settings
 # of its request is cut to what is left, so a trickling answer cannot outlive the call.
 _deadline: ContextVar[float | None] = ContextVar("dispatcher_http_deadline", default=None)
 
+# Connections a worker process's client opens and keeps alive at most: a -c 32 threads worker's
+# calls to a few hosts, with room to spare; more only holds sockets open at the API.
+MAX_CONNECTIONS = 100
+
 _client: httpx.Client | None = None
 _client_lock = threading.Lock()
 
@@ -147,7 +151,7 @@ class _NoCookies(httpx.Cookies):
 def _new_client() -> httpx.Client:
     # TCP_NODELAY: a request's headers and body are two writes; Nagle's algorithm would hold
     # the body back for the server's delayed ACK.
-    size = max(dispatcher_settings.HTTP_MAX_CONNECTIONS, 1)
+    size = max(dispatcher_settings.tuned("HTTP_MAX_CONNECTIONS", MAX_CONNECTIONS), 1)
     transport = httpx.HTTPTransport(
         retries=0, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
         limits=httpx.Limits(max_connections=size, max_keepalive_connections=size),

@@ -7,6 +7,9 @@ from datetime import timedelta
 
 from dispatcher.conf import dispatcher_settings as ds
 
+# Up to a quarter more on each delay: calls that failed together (an API's outage) come back spread out.
+JITTER = 0.25
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -18,7 +21,7 @@ class RetryPolicy:
 
     base: timedelta
     max: timedelta
-    jitter: float = 0.25
+    jitter: float = JITTER
 
     def delay(self, attempts: int, rand: float | None = None) -> timedelta:
         """Return how long to wait after the given number of attempts."""
@@ -29,4 +32,4 @@ class RetryPolicy:
 
     @classmethod
     def from_settings(cls) -> RetryPolicy:
-        return cls(base=ds.RETRY_BASE, max=ds.RETRY_MAX, jitter=ds.RETRY_JITTER)
+        return cls(base=ds.RETRY_BASE, max=ds.RETRY_MAX, jitter=ds.tuned("RETRY_JITTER", JITTER))

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from django.db import InterfaceError, OperationalError, connections
 
 from dispatcher import arrivals
+from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.combiner import StartCombiner
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
@@ -89,9 +90,9 @@ def _combined_start(call_id: int, dispatch_no: int, worker: str, *, may_wait: ti
 def execute(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call; return what happened (started calls end done, retry or failed)."""
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    # A dispenser may claim a call up to DISPATCHER_DISPATCH_AHEAD before its slot frees: wait
+    # A dispenser may claim a call up to DISPATCH_AHEAD before its slot frees: wait
     # for the slot here (briefly, holding no lock) rather than send the call back to wait.
-    ahead = dispatcher_settings.DISPATCH_AHEAD
+    ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
     for _ in range(EARLY_TRIES):
         started = _record(_combined_start, call_id, dispatch_no, worker=worker, may_wait=ahead)
         if started.state != "early":
@@ -226,7 +227,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     outcomes: dict[str, int] = {}
     runs: list[Run] = []
     # Calls claimed ahead of their slot wait for it (briefly, holding no lock), as one call does.
-    ahead = dispatcher_settings.DISPATCH_AHEAD
+    ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
     pending = list(deliveries)
     for tries in range(EARLY_TRIES + 1):
         may_wait = ahead if tries < EARLY_TRIES else timedelta(0)

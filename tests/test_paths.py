@@ -3,7 +3,7 @@
 Where PostgreSQL takes a statement of its own (send, send_many, the claim, the start, the
 finish: ``_x_postgresql`` beside ``_x_portable`` in ``dispatcher.calls``; the limiter's key locks and
 policy loading), the SQLite pass of the suite runs only the portable path. Here one scenario
-runs on PostgreSQL twice, once as it ships and once with ``sql.postgresql_path`` answering no, forcing the
+runs on PostgreSQL twice, once as it ships and once with ``schema.postgresql_path`` answering no, forcing the
 ORM path, on the same clock, and the calls,
 attempts, start log, key counters and bucket state it leaves must be the same.
 """
@@ -16,7 +16,6 @@ import pytest
 
 import dispatcher.limits.catalog
 import dispatcher.limits.gate
-import dispatcher.sql
 from dispatcher.calls import dispense, finish, send, start
 from dispatcher.limits import catalog
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit

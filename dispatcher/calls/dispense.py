@@ -4,13 +4,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, transaction
 from django.db.models import F
 
-from dispatcher import sql
 from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
@@ -18,11 +17,16 @@ from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
 from dispatcher.limits import catalog, gate, ledger, locks
 from dispatcher.states import CallStatus as Status
+from dispatcher.store import call_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
 
 log = logging.getLogger("dispatcher")
+
+# How early a pass may claim a call for a slot about to free: about a broker's and a worker's
+# pick-up time, so the call reaches its worker as the slot frees (the worker waits for it).
+DISPATCH_AHEAD = timedelta(milliseconds=100)
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ def waiting_key_sets(
     """Return the distinct key sets of waiting calls, in order, one index probe each."""
     # A loose index scan: each step asks the partial index for the next key set.
     with connections[manager.db].cursor() as cursor:
-        cursor.execute(sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
+        cursor.execute(call_sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
         return [row[0] for row in cursor.fetchall()]
 
 
@@ -82,7 +86,7 @@ def claim_batch(
         now = db_now(manager.db)
         # Judge the windows a little ahead, so a call claimed for a slot about to free
         # reaches its worker as the slot frees; the start re-checks on the clock of then.
-        at = now + dispatcher_settings.DISPATCH_AHEAD
+        at = now + dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
         by_key = gate.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db)
         room = {key: verdict.room for key, verdict in by_key.items()}
         # A key's first call of the pass may cost more than its room when its bucket admits
@@ -163,7 +167,7 @@ def claim_batch(
 def _claim_rows(
     manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
     """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         return _claim_rows_postgresql(manager, asks, now)
     return _claim_rows_portable(manager, asks, now)
 
@@ -191,13 +195,13 @@ def _claim_rows_portable(
 
 def _claim_rows_postgresql(
     manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
-    """Select and mark the due calls of every asking key set in one statement (``sql.claim_due``)."""
+    """Select and mark the due calls of every asking key set in one statement (``call_sql.claim_due``)."""
     params: dict[str, Any] = {
         "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
         "key_sets": list(asks), "wanted": list(asks.values()),
     }
     with connections[manager.db].cursor() as cursor:
-        cursor.execute(sql.claim_due(), params)
+        cursor.execute(call_sql.claim_due(), params)
         return [
             Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c))
             for i, n, q, k, p, c in cursor.fetchall()

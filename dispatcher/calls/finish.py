@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, models, transaction
 from django.db.models import F
 
-from dispatcher import sql, tables
+from dispatcher import tables
 from dispatcher.calls.rows import attempts
 from dispatcher.clock import db_now, from_us, to_us
 from dispatcher.conf import dispatcher_settings
@@ -19,6 +19,7 @@ from dispatcher.limits.shapes import TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
+from dispatcher.store import call_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -37,7 +38,7 @@ def _finish(
     error = error[:MAX_ERROR_CHARS]
     # No key is locked: running calls have no counter (a capped key counts its running calls
     # at each check, under its lock), so finishes never wait on the starts of their keys.
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         won = _finish_postgresql(manager, call, attempt.id, keys, outcome, error, changes, wake)
     else:
         won = _finish_portable(manager, call, attempt.id, keys, outcome, error, changes, wake)
@@ -78,7 +79,7 @@ def _finish_postgresql(
     manager: CallQueueManager, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
     changes: dict[str, Any], wake: bool,
 ) -> bool:
-    """The same in one statement (``sql.finish``), atomic by itmanager."""
+    """The same in one statement (``call_sql.finish``), atomic by itmanager."""
     now = db_now(manager.db)
     changes, wake = _finish_changes(changes, now, keys, wake)
     db = connections[manager.db]
@@ -88,7 +89,7 @@ def _finish_postgresql(
         locks.WAKE_CHANNEL, wake,
     ]
     with db.cursor() as cursor:
-        cursor.execute(sql.finish(tuple(changes)), params)
+        cursor.execute(call_sql.finish(tuple(changes)), params)
         return bool(cursor.fetchone()[0])
 
 
@@ -99,7 +100,7 @@ def finish_done(
     On PostgreSQL one statement on the database's clock (``finish_done_many``'s), with no
     clock read before it.
     """
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         return finish_done_many(manager, [(call, attempt, result, wake)]) == 1
     return _finish(manager,
         call, attempt, Outcome.DONE, "", wake=wake, status=Status.DONE, result=result, finished_at=lambda now: now, last_error=""
@@ -114,7 +115,7 @@ def finish_done_many(
     not won (and logged), as there.
     """
     db = connections[manager.db]
-    if not sql.postgresql_path(manager.db):
+    if not schema.postgresql_path(manager.db):
         return sum(finish_done(manager, call, attempt, result, wake=wake) for call, attempt, result, wake in done)
     result_field = manager.model._meta.get_field("result")
     params: dict[str, Any] = {
@@ -125,7 +126,7 @@ def finish_done_many(
         "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": locks.WAKE_CHANNEL,
     }
     with db.cursor() as cursor:
-        cursor.execute(sql.finish_done_many(), params)
+        cursor.execute(call_sql.finish_done_many(), params)
         won = {row[0] for row in cursor.fetchall()}
     for call, attempt, _, _ in done:
         if call.id not in won:

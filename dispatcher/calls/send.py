@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from django.db import connections, models
 
-from dispatcher import sql
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidParams
-from dispatcher.inserts import NewCall, insert_many, insert_one
 from dispatcher.keys import key_set, resolve_keys
 from dispatcher.limits import catalog
 from dispatcher.registry import get_handler
 from dispatcher.states import CallStatus as Status
+from dispatcher.store import schema
+from dispatcher.store.inserts import NewCall, insert_many, insert_one
 from dispatcher.validation import OutOfBounds, check_json, check_moment
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ def send_one(
 ) -> CallQueue:
     """Store one call in the caller's transaction and return the saved row (``CallQueue.objects.send``)."""
     call = _clean_call(_SendSettings(manager.db), method, params, **options)
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         return insert_one(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
     row = manager.model(**call.fields(Status.PENDING))
     row.save(force_insert=True, using=manager.db)
@@ -215,7 +215,7 @@ def send_many(
             raise type(exc)(f"call {index}: {exc}") from exc
     if not cleaned:
         return []
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         # One statement: every row is stored or none, without a transaction of its own.
         return insert_many(manager.model, manager.db, connections[manager.db], cleaned, Status.PENDING)
     return _bulk_create_whole(manager, [manager.model(**call.fields(Status.PENDING)) for call in cleaned])

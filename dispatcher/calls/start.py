@@ -11,14 +11,15 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections
 from django.db.models import F
 
-from dispatcher import arrivals, sql, tables
+from dispatcher import arrivals, tables
 from dispatcher.calls.rows import attempts, call_from_row, json_value
 from dispatcher.clock import db_now
-from dispatcher.folded import Folded, folding, start_transaction
 from dispatcher.keys import parse_key_set
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
+from dispatcher.store import call_sql, schema
+from dispatcher.store.folded import Folded, folding, start_transaction
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -59,7 +60,7 @@ def start(
     with connections[manager.db].cursor() as cursor:
         # Hand-written: read before any lock at every start, where the ORM's compilation
         # would cost more than the query.
-        cursor.execute(sql.call_head(), [call_id])
+        cursor.execute(call_sql.call_head(), [call_id])
         head = cursor.fetchone()
     if head is None:
         return Started("stale", reason="no such call")
@@ -140,12 +141,12 @@ def start_many(
     is started on its own. SQLite starts them one by one.
     """
     worker = worker[:200]
-    if not sql.postgresql_path(manager.db) or len(deliveries) < 2:
+    if not schema.postgresql_path(manager.db) or len(deliveries) < 2:
         return [
             start(manager, call_id, dispatch_no, worker, may_wait=may_wait) for call_id, dispatch_no in deliveries
         ]
     with connections[manager.db].cursor() as cursor:
-        cursor.execute(sql.call_heads(), [[call_id for call_id, _ in deliveries]])
+        cursor.execute(call_sql.call_heads(), [[call_id for call_id, _ in deliveries]])
         heads = {row[0]: row[1:] for row in cursor.fetchall()}
     results: dict[int, Started] = {}
     live: list[tuple[int, int, int, list[str], dict[str, int]]] = []
@@ -220,7 +221,7 @@ def _mark_running_group(
     manager: CallQueueManager, admitted: list[tuple[int, int, int, gate.StartRecord, bool]], now: datetime, worker: str,
     group: gate.Group, folded: Folded | None = None,
 ) -> dict[int, tuple[CallQueue, Attempt]]:
-    """One statement (``sql.mark_running_group``): mark the admitted calls running, open their
+    """One statement (``call_sql.mark_running_group``): mark the admitted calls running, open their
     attempts, write their start logs, the buckets' last states and each key's counters (only
     if every call was won)."""
     log = [(key, units, cum, call_id) for _, call_id, _, record, _ in admitted for key, units, cum in record.log]
@@ -246,7 +247,7 @@ def _mark_running_group(
         "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
         "c_totals": [group.states[key].total for key in moved],
     }
-    statement = sql.mark_running_group()
+    statement = call_sql.mark_running_group()
     with connections[manager.db].cursor() as cursor:
         cursor.execute(folded.commit(statement) if folded else statement, params)
         rows = cursor.fetchall()
@@ -275,7 +276,7 @@ def _mark_running(
 ) -> tuple[CallQueue, Attempt] | None:
     """Mark the call running, log its starts and open its attempt; None if the delivery is stale."""
     record = record or gate.StartRecord()
-    if sql.postgresql_path(manager.db):
+    if schema.postgresql_path(manager.db):
         return _mark_running_postgresql(manager, call_id, dispatch_no, keys, now, worker, record, folded)
     return _mark_running_portable(manager, call_id, dispatch_no, keys, now, worker, record)
 
@@ -306,7 +307,7 @@ def _mark_running_postgresql(
     manager: CallQueueManager, call_id: int, dispatch_no: int, keys: list[str], now: datetime, worker: str,
     record: gate.StartRecord, folded: Folded | None,
 ) -> tuple[CallQueue, Attempt] | None:
-    """The same as one statement (``sql.mark_running``), with a folded start's COMMIT."""
+    """The same as one statement (``call_sql.mark_running``), with a folded start's COMMIT."""
     params: dict[str, Any] = {
         "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now, "id": call_id,
         "dispatch_no": dispatch_no, "worker": worker,
@@ -317,7 +318,7 @@ def _mark_running_postgresql(
         # What each start charged its bucket beyond max(tat, now), to carry to the later clock.
         "b_charged": record.charged,
     }
-    statement = sql.mark_running()
+    statement = call_sql.mark_running()
     with connections[manager.db].cursor() as cursor:
         cursor.execute(folded.commit(statement) if folded else statement, params)
         row = cursor.fetchone()

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dispatcher")
 
+# Calls one rescue transaction returns: a sweep after an outage moves thousands in short transactions.
+RESCUE_BATCH = 200
+# Rows one prune transaction deletes (prune_calls --batch overrides): short enough never to hold
+# the table for long, large enough that a day's calls go in a few hundred transactions.
+PRUNE_BATCH = 1000
+
 
 @dataclass
 class RescueReport:
@@ -38,7 +44,7 @@ class RescueReport:
 def rescue(
     manager: CallQueueManager, batch: int | None = None) -> RescueReport:
     """Return calls stuck in dispatched or running past their timeout to waiting."""
-    batch = batch or dispatcher_settings.RESCUE_BATCH
+    batch = batch or dispatcher_settings.tuned("RESCUE_BATCH", RESCUE_BATCH)
     report = RescueReport()
     now = db_now(manager.db)
     dispatch_cutoff = now - dispatcher_settings.DISPATCH_TIMEOUT
@@ -126,7 +132,7 @@ def prune(
     a window needs. ``progress(done, total)`` is called after every batch. With
     ``dry_run`` nothing is deleted and the number that would be is returned.
     """
-    batch = batch or dispatcher_settings.PRUNE_BATCH
+    batch = batch or dispatcher_settings.tuned("PRUNE_BATCH", PRUNE_BATCH)
     if batch < 1:
         raise ValueError(f"batch must be at least 1, not {batch}")
     if older_than < timedelta(0):

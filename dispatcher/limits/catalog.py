@@ -12,14 +12,15 @@ from django.core.signals import setting_changed
 from django.db import connections, models
 from django.db.models.functions import Now
 
-from dispatcher import arrivals, sql, tables
+from dispatcher import arrivals, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, pattern_matches
-from dispatcher.limits.guard import arrival_guard, delay_memory, learnt_delay, memory
+from dispatcher.limits.guard import GUARD_MAX, arrival_guard, delay_memory, learnt_delay, memory
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import SlidingWindow, make_policy
+from dispatcher.store import limit_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -70,7 +71,7 @@ class Policies:
     def load(cls, using: str | None = None) -> Policies:
         """Read every policy and every pattern pause from the database, in one query."""
         db = alias(using)
-        if sql.postgresql_path(db):
+        if schema.postgresql_path(db):
             # Runs at every start: the query is compiled once per process and alias (it has no
             # arguments), and PostgreSQL's rows need no conversion.
             policies_sql, params = policies_statement(db)
@@ -85,7 +86,7 @@ class Policies:
     def load_with_clock(cls, using: str | None = None) -> tuple[Policies, datetime]:
         """Read the policies and the database's clock (``db_now``) in one round trip."""
         db = alias(using)
-        if not sql.postgresql_path(db):
+        if not schema.postgresql_path(db):
             policies = cls.load(db)
             arrivals.mark_clock()  # the start's clock: its worker measures the send against it
             return policies, db_now(db)
@@ -95,7 +96,7 @@ class Policies:
         policies_sql, params = policies_statement(db)
         with connections[db].cursor() as cursor:
             arrivals.mark_clock()  # the start's clock: its worker measures the send against it
-            cursor.execute(sql.policies_with_clock(policies_sql), params)
+            cursor.execute(limit_sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
         remember_policies(db, rows[0][1], policies)
@@ -161,7 +162,7 @@ class Policies:
         ``now`` None: before the clock is read (``policies_for_start``), the largest delay the key
         remembers from its last two spans, which is never less than what ``now`` would find.
         """
-        floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX
+        floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX)
         spans = {}
         for key in keys:
             self._guarded.pop(key, None)
@@ -227,7 +228,7 @@ def policies_statement(db: str) -> tuple[str, tuple]:
 
 
 # The policies each database's last reading in this process found, and their version (see
-# ``sql.POLICY_VERSION``), shared by the process's threads.
+# ``limit_sql.POLICY_VERSION``), shared by the process's threads.
 _kept: dict[str, tuple[int, Policies]] = {}
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models
 
-from dispatcher import arrivals, sql, tables
+from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
 from dispatcher.limits.catalog import Policies, kept_policies, policies_statement, remember_policies
@@ -20,6 +20,7 @@ from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
 from dispatcher.states import CallStatus
+from dispatcher.store import limit_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -53,7 +54,7 @@ def policies_for_start(
     """
     db = alias(using)
     kept = kept_policies(db)
-    if kept is None or not sql.postgresql_path(db):
+    if kept is None or not schema.postgresql_path(db):
         policies, now = Policies.load_with_clock(db)
         return policies, now, None
     version, policies = kept
@@ -66,7 +67,7 @@ def policies_for_start(
     with connections[db].cursor() as cursor:
         arrivals.mark_clock()  # the start's clock: its worker measures the send against it
         cursor.execute(
-            sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
+            limit_sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
         )
         rows = cursor.fetchall()
     now, current = rows[0][0], rows[0][1]
@@ -159,7 +160,7 @@ def read_keys(
     adapt = connections[db].ops.adapt_datetimefield_value
     kinds, params = _probes(governed, lambda span: adapt(now - span), db)
     with connections[db].cursor() as cursor:
-        cursor.execute(sql.policy_readings(kinds, connections[db].vendor == "postgresql"), params)
+        cursor.execute(limit_sql.policy_readings(kinds, connections[db].vendor == "postgresql"), params)
         row = iter(cursor.fetchone())
     return _from_probes(governed, states, row, db)
 
@@ -167,7 +168,7 @@ def read_keys(
 def _probes(
     governed: Mapping[str, Sequence[PolicyShape]], window_start: Callable[[timedelta], object], db: str
 ) -> tuple[tuple[str, ...], list[Any]]:
-    """Return the kinds of the probes ``read_keys`` reads (``sql.PROBES``) and their parameters;
+    """Return the kinds of the probes ``read_keys`` reads (``limit_sql.policy_readings``) and their parameters;
     ``window_start`` gives the parameter of a window of a given span."""
     connection = connections[db]
     kinds: list[str] = []
@@ -363,7 +364,7 @@ class StartRecord:
     log: list[tuple[str, int, int]] = field(default_factory=list)
     buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
     # Per bucket, the microseconds the start charged beyond max(tat, now): a start recorded at a
-    # later clock carries the same charge from there (sql.mark_running).
+    # later clock carries the same charge from there (call_sql.mark_running).
     charged: list[int] = field(default_factory=list)
 
 

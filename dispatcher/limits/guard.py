@@ -11,6 +11,10 @@ from dispatcher.limits.shapes import Policy
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
 
+# The largest guard a key's measured start-to-send delays may raise it to: a quarter second
+# covers a loaded worker's scheduling, and caps what one slow moment costs a smooth rate.
+GUARD_MAX = timedelta(milliseconds=250)
+
 # Delays are remembered at least this long whatever the policies, so a key sends at most a few
 # measurements per second, and at most this long, so one slow moment does not tax a day window
 # for a day (older delays fall back to the configured floor).

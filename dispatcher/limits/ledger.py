@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 from django.db import connections, models, transaction
 from django.db.models import Q
 
-from dispatcher import sql, tables
+from dispatcher import tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits.guard import delay_memory, remember_delay
+from dispatcher.limits.guard import GUARD_MAX, delay_memory, remember_delay
 from dispatcher.limits.locks import alias, lock_keys
+from dispatcher.store import limit_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.limits.gate import StartRecord
@@ -42,7 +43,7 @@ def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = No
     params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
     params += list(by_key)
     with connections[alias(using)].cursor() as cursor:
-        cursor.execute(sql.adjust_reserved(len(by_key)), params)
+        cursor.execute(limit_sql.adjust_reserved(len(by_key)), params)
 
 
 def adjust(
@@ -82,7 +83,7 @@ def adjust(
 def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:
     """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
 
-    On PostgreSQL one statement (``sql.remember_send_delay``) that writes only rows whose memory
+    On PostgreSQL one statement (``limit_sql.remember_send_delay``) that writes only rows whose memory
     changes (a new largest delay, or a span gone by: at most a few per key and second); a worker
     calls it only when its start's reading says the memory changes. Several keys are locked
     first, in key order as every locker does: an UPDATE locks the rows it writes in the order it
@@ -92,14 +93,14 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
     if not spans:
         return 0
     db = alias(using)
-    if sql.postgresql_path(db):
+    if schema.postgresql_path(db):
         us = delay // timedelta(microseconds=1)
         several = len(spans) > 1
         with transaction.atomic(using=db) if several else contextlib.nullcontext():
             if several:
                 lock_keys(list(spans), using=db)
             with connections[db].cursor() as cursor:
-                cursor.execute(sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+                cursor.execute(limit_sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
                 return cursor.rowcount
     written = 0
     states = tables.KeyState.objects.using(db)
@@ -148,7 +149,7 @@ def prune_starts(batch: int = 5000, using: str | None = None) -> int:
     # Kept as long as the longest window counts (its period and the largest arrival guard).
     db = alias(using)
     longest = max([timedelta(hours=1), *tables.RateLimit.objects.using(db).values_list("period", flat=True)])
-    cutoff = db_now(db) - longest - max(dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.ARRIVAL_GUARD_MAX)
+    cutoff = db_now(db) - longest - max(dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX))
     deleted = 0
     while True:
         with transaction.atomic(using=db):

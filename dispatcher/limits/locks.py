@@ -6,8 +6,9 @@ from typing import TYPE_CHECKING
 
 from django.db import connections, router
 
-from dispatcher import sql, tables
-from dispatcher.folded import Folded, Unfoldable
+from dispatcher import tables
+from dispatcher.store import limit_sql, schema
+from dispatcher.store.folded import Folded, Unfoldable
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -48,16 +49,16 @@ def lock_keys(keys: Sequence[str], using: str | None = None, folded: Folded | No
 
 
 def _select_for_update(ordered: list[str], db: str, folded: Folded | None = None) -> dict[str, KeyState]:
-    if not sql.postgresql_path(db):
+    if not schema.postgresql_path(db):
         return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
     with connections[db].cursor() as cursor:
         if folded is not None and not folded.begun:
-            cursor.execute(folded.begin(sql.lock_key_states()), [ordered])
+            cursor.execute(folded.begin(limit_sql.lock_key_states()), [ordered])
             cursor.nextset()  # past BEGIN's result, to the rows
         else:
-            cursor.execute(sql.lock_key_states(), [ordered])
+            cursor.execute(limit_sql.lock_key_states(), [ordered])
         rows = cursor.fetchall()
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
     return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}
@@ -68,4 +69,4 @@ def wake_dispensers(using: str | None = None) -> None:
     connection = connections[alias(using)]
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute(sql.NOTIFY, [WAKE_CHANNEL])
+            cursor.execute(schema.NOTIFY, [WAKE_CHANNEL])

@@ -1,4 +1,4 @@
-"""Store new calls on PostgreSQL with hand-written INSERTs (``sql.insert_call``, ``sql.insert_calls``),
+"""Store new calls on PostgreSQL with hand-written INSERTs (``call_sql.insert_call``, ``call_sql.insert_calls``),
 skipping the ORM's per-row SQL compilation."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.utils import timezone
 
-from dispatcher import sql
+from dispatcher.store import call_sql
 
 if TYPE_CHECKING:
     from dispatcher.models import CallQueue
@@ -63,7 +63,7 @@ def insert_one(model: type[CallQueue], db: str, connection: BaseDatabaseWrapper,
         "run_at": call.run_at, "status": status, "cost": None if call.cost is None else _compact_json.encode(call.cost),
     }
     with connection.cursor() as cursor:
-        cursor.execute(sql.insert_call(), params)
+        cursor.execute(call_sql.insert_call(), params)
         pk, created_us = cursor.fetchone()
     created_at = _from_epoch_us(connection, created_us)
     return _fresh_instance(model, db, call, status, pk, call.run_at or created_at, created_at)
@@ -86,7 +86,7 @@ def insert_many(
     ])
     params_json = "[" + ",".join(call.params_json for call in calls) + "]"
     with connection.cursor() as cursor:
-        cursor.execute(sql.insert_calls(), {"status": status, "rows": rows, "params": params_json})
+        cursor.execute(call_sql.insert_calls(), {"status": status, "rows": rows, "params": params_json})
         inserted = sorted(cursor.fetchall())
     # The rows enter the table in input order (ORDER BY c.ord) and each takes the next id as
     # it does, so the ids sorted are the calls' ids in input order; RETURNING promises no order.

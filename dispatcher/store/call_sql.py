@@ -1,247 +1,22 @@
-"""Every hand-written SQL statement of the app, each named, built from the models' ``_meta``.
-
-The ORM writes every other query. A statement is written by hand here only where the ORM cannot
-say it (a loose index scan, data-modifying CTEs, ``FOR UPDATE SKIP LOCKED`` inside ``LATERAL``)
-or where compiling its ORM form costs more than running it on a hot path (every claim, start and
-finish). Tables and columns come from the models' ``_meta``, never typed by hand, and the pieces
-several statements share (locking key rows in key order, the start log's arrays, a time as
-microseconds) are built once. Most are PostgreSQL's, and the managers take the ORM path on
-other databases (``managers.py`` keeps each operation's two paths side by side);
-``call_head``, ``waiting_key_sets``, ``policy_readings`` and ``adjust_reserved`` are standard
-SQL that SQLite runs too.
-
-Each statement is a function returning its text, computed once per process (the models do not
-change after start-up); the caller runs it on ``connections[alias]`` with the alias its manager
-uses, never on the default ``connection``.
-"""
+"""The calls' hand-written statements: insert, the waiting key sets, the claim, a start's head and mark, finishes."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-
-from django.apps import apps
-from django.db import connections
-from django.db.models import Field
-from django.db.models.options import Options
 
 from dispatcher.states import CallStatus
-
-# The database's clock, read now (not at transaction start): see dispatcher.clock.
-CLOCK = "clock_timestamp()"
-READ_CLOCK = f"SELECT {CLOCK}"
-# A NOTIFY on a channel, delivered when the transaction commits.
-NOTIFY = "SELECT pg_notify(%s, '')"
-
-
-def postgresql_path(alias: str) -> bool:
-    """Whether an operation on the database ``alias`` takes its PostgreSQL statement, not the ORM's path."""
-    return connections[alias].vendor == "postgresql"
-
-
-def _meta(model: str) -> Options:
-    # Looked up in the app registry rather than imported: this module sits below the models.
-    return apps.get_model("dispatcher", model)._meta
-
-
-def quote(name: str) -> str:
-    """Return an identifier quoted as standard SQL (PostgreSQL and SQLite both read it)."""
-    return '"' + name.replace('"', '""') + '"'
-
-
-def table(model: str) -> str:
-    """Return a dispatcher model's table, quoted."""
-    return quote(_meta(model).db_table)
-
-
-def _field(model: str, name: str) -> Field:
-    """Return a dispatcher model's field that has a column of its own."""
-    found = _meta(model).get_field(name)
-    if not isinstance(found, Field) or not found.column:
-        raise LookupError(f"{model}.{name} has no column")
-    return found
-
-
-def column(model: str, name: str) -> str:
-    """Return the column of a dispatcher model's field, quoted."""
-    found = _field(model, name)
-    assert found.column  # _field checked it
-    return quote(found.column)
-
-
-def columns(model: str, prefix: str = "") -> str:
-    """Return all the model's columns in ``concrete_fields`` order (the order ``from_db`` takes)."""
-    return ", ".join(prefix + quote(f.column) for f in _meta(model).concrete_fields)
-
-
-def _insert(model: str, values: Mapping[str, str]) -> tuple[str, str]:
-    """Return the column list and the matching value list of an INSERT, from {field name: SQL expression}."""
-    return ", ".join(column(model, name) for name in values), ", ".join(values.values())
-
-
-def _assignments(model: str, values: Mapping[str, str]) -> str:
-    """Return an UPDATE's SET list from {field name: SQL expression}."""
-    return ", ".join(f"{column(model, name)} = {value}" for name, value in values.items())
-
-
-def _pg_type(field: Field) -> str:
-    """Return the PostgreSQL type a parameter for the field is cast to (unbounded where the column is bounded)."""
-    kind = field.get_internal_type()
-    if kind == "JSONField":
-        return "jsonb"
-    if kind == "DateTimeField":
-        return "timestamptz"
-    if kind == "BigIntegerField":
-        return "bigint"
-    if kind.endswith("IntegerField"):
-        return "int"
-    if kind == "DurationField":
-        return "interval"
-    return "text"
-
-
-def _epoch_us(expression: str) -> str:
-    """A timestamp as whole microseconds since the epoch: a bigint the driver hands back untouched."""
-    return f"(EXTRACT(EPOCH FROM {expression}) * 1000000)::bigint"
-
-
-def _lock_key_rows(select: str) -> str:
-    """Lock the KeyState rows of the keys in %s (a text array) in key order, as every locker of several keys does."""
-    key = column("KeyState", "key")
-    return f"SELECT {select} FROM {table('KeyState')} WHERE {key} = ANY(%s::text[]) ORDER BY {key} FOR UPDATE"
-
-
-# --- the clock and wake-ups ------------------------------------------------------------------
-
-
-def listen(channel: str) -> str:
-    """LISTEN on a wake-up channel (a fixed identifier, never user input)."""
-    return f"LISTEN {channel}"
-
-
-# The policies' version: a counter that every edit of what the policies' query reads bumps (a
-# table and triggers of migration 0008, PostgreSQL only, with no model, hence its name here);
-# NULL if its row is missing, which only disables keeping the policies between starts.
-POLICY_VERSION = "(SELECT version FROM dispatcher_policy_version WHERE id = 1)"
-
-
-def policies_with_clock(policies: str) -> str:
-    """The policies' query (compiled by the ORM) joined to the clock and their version: one round trip.
-
-    The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one), and the
-    LEFT JOIN returns it even when no policy exists.
-    """
-    return (
-        f"SELECT c.now, c.version, p.* FROM (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version) c"
-        f" LEFT JOIN ({policies}) p ON TRUE"
-    )
-
-
-@functools.cache
-def policies_for_start(kinds: tuple[str, ...], policies: str) -> str:
-    """A start's one statement with kept policies: the clock, the version, the keys' probes
-    (``kinds``, windows measured back from this clock), and the policies only if the version
-    differs from %s or the clock reached %s (the first kept learnt limit's expiry)."""
-    probes = "".join(", " + probe for probe in _probes(kinds, "c.now - %s"))
-    return (
-        f"WITH c AS MATERIALIZED (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version)"
-        f" SELECT c.now, c.version{probes}, p.* FROM c"
-        f" LEFT JOIN ({policies}) p ON (c.version IS DISTINCT FROM %s OR c.now >= %s)"
-    )
-
-
-# --- the limiter -------------------------------------------------------------------------------
-
-
-@functools.cache
-def lock_key_states() -> str:
-    """Lock and read whole KeyState rows of the keys in %s, in key order."""
-    return _lock_key_rows(columns("KeyState"))
-
-
-@functools.cache
-def _bucket_probe() -> str:
-    # A bucket's one timestamp (params: key, period).
-    key, period = column("KeyBucket", "key"), column("KeyBucket", "period")
-    return f"(SELECT {column('KeyBucket', 'tat_us')} FROM {table('KeyBucket')} WHERE {key} = %s AND {period} = %s)"
-
-
-@functools.cache
-def _window_probe(since: str) -> str:
-    # The running total before a window's first start (params: key, then the window's start as
-    # ``since`` takes it): one index probe.
-    key, started_at, cum = column("KeyStart", "key"), column("KeyStart", "started_at"), column("KeyStart", "cum")
-    return (
-        f"(SELECT {cum} - {column('KeyStart', 'units')} FROM {table('KeyStart')}"
-        f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum} LIMIT 1)"
-    )
-
-
-@functools.cache
-def _running_probe(postgresql: bool) -> str:
-    # How many running calls have the key (param: key), through the partial index on calls in
-    # flight (its first column is the status). Exact under the key's lock: a call becomes running
-    # only in a start holding it, and a finish committed after this statement's snapshot is
-    # counted as still running, which errs on the side of the cap.
-    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
-    running = f"{column('CallQueue', 'status')} = '{CallStatus.RUNNING.value}'"
-    if postgresql:
-        has_key = f"jsonb_exists({key_set}::jsonb, %s)"
-    else:
-        has_key = f"EXISTS (SELECT 1 FROM json_each({call}.{key_set}) AS k WHERE k.value = %s)"
-    return f"(SELECT COUNT(*) FROM {call} WHERE {running} AND {has_key})"
-
-
-def _probes(kinds: tuple[str, ...], since: str, postgresql: bool = True) -> list[str]:
-    # One column per probe: "bucket" (params: key, period), "window" (key, window start),
-    # "running" (key).
-    made = {"bucket": _bucket_probe(), "window": _window_probe(since), "running": _running_probe(postgresql)}
-    return [made[kind] for kind in kinds]
-
-
-@functools.cache
-def policy_readings(kinds: tuple[str, ...], postgresql: bool) -> str:
-    """Read every probe of a check in one row (see ``_probes``); standard SQL but for the running count."""
-    return "SELECT " + ", ".join(_probes(kinds, "%s", postgresql))
-
-
-@functools.cache
-def adjust_reserved(keys: int) -> str:
-    """Add to the reserved counters of ``keys`` locked keys, each its own amount, in one statement.
-
-    Params: (key, calls) per key, (key, units) per key, then the keys.
-    """
-    key = column("KeyState", "key")
-    cases = " ".join("WHEN %s THEN %s" for _ in range(keys))
-    reserved, units = column("KeyState", "reserved"), column("KeyState", "reserved_units")
-    return (
-        f"UPDATE {table('KeyState')} SET {reserved} = {reserved} + CASE {key} {cases} END,"
-        f" {units} = {units} + CASE {key} {cases} END WHERE {key} IN ({', '.join('%s' for _ in range(keys))})"
-    )
-
-
-@functools.cache
-def remember_send_delay() -> str:
-    """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
-    memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory
-    over, a larger delay raises it; other rows are not touched (nor locked)."""
-    current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
-    since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
-    rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
-    return f"""
-        WITH m AS (
-            SELECT k.key, k.span, {CLOCK} AS t FROM unnest(%(keys)s::text[], %(spans)s::interval[]) AS k(key, span)
-        )
-        UPDATE {table('KeyState')} AS s SET
-            {previous} = CASE
-                WHEN s.{since} IS NULL OR m.t >= s.{since} + 2 * m.span THEN 0
-                WHEN m.t >= s.{since} + m.span THEN s.{current}
-                ELSE s.{previous} END,
-            {current} = CASE WHEN {rolls} THEN %(us)s ELSE GREATEST(s.{current}, %(us)s) END,
-            {since} = CASE WHEN {rolls} THEN m.t ELSE s.{since} END
-        FROM m
-        WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
-    """
-
+from dispatcher.store.schema import (
+    CLOCK,
+    NOTIFY,
+    assignments,
+    column,
+    columns,
+    epoch_us,
+    field_of,
+    insert_clause,
+    meta,
+    pg_type,
+    table,
+)
 
 # --- calls: send -------------------------------------------------------------------------------
 
@@ -253,7 +28,7 @@ def _new_call_defaults() -> dict[str, str]:
     # The constant Python defaults of the fields send() leaves alone (attempts, last_error...),
     # as SQL literals; the nullable ones and the database's own defaults are left out (NULL / db_default).
     literals = {}
-    for field in _meta("CallQueue").concrete_fields:
+    for field in meta("CallQueue").concrete_fields:
         if field.primary_key or field.name in NEW_CALL_FIELDS or field.name == "status" or callable(field.default):
             continue
         if field.has_default() and field.default is not None:
@@ -274,12 +49,12 @@ def insert_call() -> str:
         if name == "run_at":
             values[name] = "COALESCE(%(run_at)s::timestamptz, STATEMENT_TIMESTAMP())"
         else:
-            values[name] = f"%({name})s::{_pg_type(_field('CallQueue', name))}"
+            values[name] = f"%({name})s::{pg_type(field_of('CallQueue', name))}"
     values["status"] = "%(status)s"
-    names, exprs = _insert("CallQueue", {**values, **_new_call_defaults()})
+    names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
     return (
         f"INSERT INTO {table('CallQueue')} ({names}) VALUES ({exprs})"
-        f" RETURNING {column('CallQueue', 'id')}, {_epoch_us(column('CallQueue', 'created_at'))}"
+        f" RETURNING {column('CallQueue', 'id')}, {epoch_us(column('CallQueue', 'created_at'))}"
     )
 
 
@@ -291,11 +66,11 @@ def insert_calls() -> str:
     NEW_CALL_FIELDS but params) and the params, each an array in the same order.
     """
     row_fields = [name for name in NEW_CALL_FIELDS if name != "params"]
-    record = ", ".join(f"{name} {_pg_type(_field('CallQueue', name))}" for name in row_fields)
+    record = ", ".join(f"{name} {pg_type(field_of('CallQueue', name))}" for name in row_fields)
     values = {name: f"c.{name}" for name in NEW_CALL_FIELDS}
     values["run_at"] = "COALESCE(c.run_at, STATEMENT_TIMESTAMP())"
     values["status"] = "%(status)s"
-    names, exprs = _insert("CallQueue", {**values, **_new_call_defaults()})
+    names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
     return f"""
         INSERT INTO {table('CallQueue')} ({names})
         SELECT {exprs}
@@ -304,7 +79,7 @@ def insert_calls() -> str:
             jsonb_array_elements(%(params)s::jsonb)
         ) WITH ORDINALITY AS c({', '.join(row_fields)}, params, ord)
         ORDER BY c.ord
-        RETURNING {column('CallQueue', 'id')}, {_epoch_us(column('CallQueue', 'created_at'))}
+        RETURNING {column('CallQueue', 'id')}, {epoch_us(column('CallQueue', 'created_at'))}
     """
 
 
@@ -337,7 +112,7 @@ def claim_due() -> str:
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
-    sets = _assignments("CallQueue", {
+    sets = assignments("CallQueue", {
         "status": "%(dispatched)s", "dispatched_at": "%(now)s", "dispatch_no": f"{c('dispatch_no')} + 1",
     })
     returned = ", ".join(c(name) for name in ("id", "dispatch_no", "queue", "key_set", "priority", "cost"))
@@ -395,16 +170,16 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
     max(tat, judged clock)), TokenBucket.charge's max.
     """
     c = functools.partial(column, "CallQueue")
-    attempt_columns, attempt_values = _insert("Attempt", {
+    attempt_columns, attempt_values = insert_clause("Attempt", {
         "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "clock.now",
         "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
     })
-    log_columns, log_values = _insert("KeyStart", {
+    log_columns, log_values = insert_clause("KeyStart", {
         "key": "log.key", "started_at": "clock.now", "units": "log.units", "cum": "log.cum", "call_id": call_id,
     })
-    bucket_columns, bucket_values = _insert("KeyBucket", {
+    bucket_columns, bucket_values = insert_clause("KeyBucket", {
         "key": "b.key", "period": "b.period",
-        "tat_us": f"GREATEST(b.tat_us, {_epoch_us('clock.now')} + b.charged_us)", "since": "clock.now",
+        "tat_us": f"GREATEST(b.tat_us, {epoch_us('clock.now')} + b.charged_us)", "since": "clock.now",
     })
     gate, condition = only_if
     return f"""
@@ -432,8 +207,8 @@ def _start_assignments(started_at: str, attempts: str, calls: str, units: str, t
     """The SET lists of a start: the call's (running since ``started_at``, one attempt more than
     ``attempts``) and its keys' counters (``calls`` and ``units`` fewer reserved, the running ``total``)."""
     k = functools.partial(column, "KeyState")
-    started = _assignments("CallQueue", {"status": "%(running)s", "started_at": started_at, "attempts": f"{attempts} + 1"})
-    counters = _assignments("KeyState", {
+    started = assignments("CallQueue", {"status": "%(running)s", "started_at": started_at, "attempts": f"{attempts} + 1"})
+    counters = assignments("KeyState", {
         "reserved": f"{k('reserved')} - {calls}", "reserved_units": f"{k('reserved_units')} - {units}", "total": total,
     })
     return started, counters
@@ -525,8 +300,8 @@ def finish(changed: tuple[str, ...]) -> str:
     Returns how many calls it finished (0 or 1) and how many wake-ups it sent.
     """
     c = functools.partial(column, "CallQueue")
-    sets = _assignments("CallQueue", dict.fromkeys(changed, "%s"))
-    attempt = _assignments("Attempt", {"finished_at": "%s", "outcome": "%s", "error": "%s"})
+    sets = assignments("CallQueue", dict.fromkeys(changed, "%s"))
+    attempt = assignments("Attempt", {"finished_at": "%s", "outcome": "%s", "error": "%s"})
     return f"""
         WITH finished AS (
             UPDATE {table('CallQueue')} SET {sets}
@@ -555,11 +330,11 @@ def finish_done_many() -> str:
     a = functools.partial(column, "Attempt")
     attempt_table = table("Attempt")
     # Never before the start (a start's own clock may run ahead of this statement's).
-    finished = _assignments("CallQueue", {
+    finished = assignments("CallQueue", {
         "status": "%(done)s", "result": "d.result", "last_error": "''",
         "finished_at": f"GREATEST(clock.now, {call}.{c('started_at')})",
     })
-    attempt = _assignments("Attempt", {
+    attempt = assignments("Attempt", {
         "finished_at": f"GREATEST(clock.now, {attempt_table}.{a('started_at')})", "outcome": "%(outcome)s", "error": "''",
     })
     return f"""

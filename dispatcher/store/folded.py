@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from django.db import DatabaseError, connections, transaction
 
-from dispatcher import sql
+from dispatcher.store import schema
 
 T = TypeVar("T")
 
@@ -59,7 +59,7 @@ class Folded:
 def can_fold(db: str) -> bool:
     """Whether a start on ``db`` may send its BEGIN and COMMIT with its statements."""
     connection = connections[db]
-    if not sql.postgresql_path(db) or connection.in_atomic_block or not connection.get_autocommit():
+    if not schema.postgresql_path(db) or connection.in_atomic_block or not connection.get_autocommit():
         return False
     # Several statements in one query need client-side binding (psycopg 3's ClientCursor, which
     # Django uses unless OPTIONS["server_side_binding"]); the transaction's state is read from it.

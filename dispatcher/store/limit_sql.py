@@ -1,0 +1,130 @@
+"""The limiter's hand-written statements: the policies with the clock, key locks, readings, counters, send delays."""
+from __future__ import annotations
+
+import functools
+
+from dispatcher.states import CallStatus
+from dispatcher.store.schema import CLOCK, column, columns, lock_key_rows, table
+
+# table and triggers of migration 0008, PostgreSQL only, with no model, hence its name here);
+# NULL if its row is missing, which only disables keeping the policies between starts.
+POLICY_VERSION = "(SELECT version FROM dispatcher_policy_version WHERE id = 1)"
+
+
+def policies_with_clock(policies: str) -> str:
+    """The policies' query (compiled by the ORM) joined to the clock and their version: one round trip.
+
+    The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one), and the
+    LEFT JOIN returns it even when no policy exists.
+    """
+    return (
+        f"SELECT c.now, c.version, p.* FROM (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version) c"
+        f" LEFT JOIN ({policies}) p ON TRUE"
+    )
+
+
+@functools.cache
+def policies_for_start(kinds: tuple[str, ...], policies: str) -> str:
+    """A start's one statement with kept policies: the clock, the version, the keys' probes
+    (``kinds``, windows measured back from this clock), and the policies only if the version
+    differs from %s or the clock reached %s (the first kept learnt limit's expiry)."""
+    probes = "".join(", " + probe for probe in _probes(kinds, "c.now - %s"))
+    return (
+        f"WITH c AS MATERIALIZED (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version)"
+        f" SELECT c.now, c.version{probes}, p.* FROM c"
+        f" LEFT JOIN ({policies}) p ON (c.version IS DISTINCT FROM %s OR c.now >= %s)"
+    )
+
+
+# --- the limiter -------------------------------------------------------------------------------
+
+
+@functools.cache
+def lock_key_states() -> str:
+    """Lock and read whole KeyState rows of the keys in %s, in key order."""
+    return lock_key_rows(columns("KeyState"))
+
+
+@functools.cache
+def _bucket_probe() -> str:
+    # A bucket's one timestamp (params: key, period).
+    key, period = column("KeyBucket", "key"), column("KeyBucket", "period")
+    return f"(SELECT {column('KeyBucket', 'tat_us')} FROM {table('KeyBucket')} WHERE {key} = %s AND {period} = %s)"
+
+
+@functools.cache
+def _window_probe(since: str) -> str:
+    # The running total before a window's first start (params: key, then the window's start as
+    # ``since`` takes it): one index probe.
+    key, started_at, cum = column("KeyStart", "key"), column("KeyStart", "started_at"), column("KeyStart", "cum")
+    return (
+        f"(SELECT {cum} - {column('KeyStart', 'units')} FROM {table('KeyStart')}"
+        f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum} LIMIT 1)"
+    )
+
+
+@functools.cache
+def _running_probe(postgresql: bool) -> str:
+    # How many running calls have the key (param: key), through the partial index on calls in
+    # flight (its first column is the status). Exact under the key's lock: a call becomes running
+    # only in a start holding it, and a finish committed after this statement's snapshot is
+    # counted as still running, which errs on the side of the cap.
+    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
+    running = f"{column('CallQueue', 'status')} = '{CallStatus.RUNNING.value}'"
+    if postgresql:
+        has_key = f"jsonb_exists({key_set}::jsonb, %s)"
+    else:
+        has_key = f"EXISTS (SELECT 1 FROM json_each({call}.{key_set}) AS k WHERE k.value = %s)"
+    return f"(SELECT COUNT(*) FROM {call} WHERE {running} AND {has_key})"
+
+
+def _probes(kinds: tuple[str, ...], since: str, postgresql: bool = True) -> list[str]:
+    # One column per probe: "bucket" (params: key, period), "window" (key, window start),
+    # "running" (key).
+    made = {"bucket": _bucket_probe(), "window": _window_probe(since), "running": _running_probe(postgresql)}
+    return [made[kind] for kind in kinds]
+
+
+@functools.cache
+def policy_readings(kinds: tuple[str, ...], postgresql: bool) -> str:
+    """Read every probe of a check in one row (see ``_probes``); standard SQL but for the running count."""
+    return "SELECT " + ", ".join(_probes(kinds, "%s", postgresql))
+
+
+@functools.cache
+def adjust_reserved(keys: int) -> str:
+    """Add to the reserved counters of ``keys`` locked keys, each its own amount, in one statement.
+
+    Params: (key, calls) per key, (key, units) per key, then the keys.
+    """
+    key = column("KeyState", "key")
+    cases = " ".join("WHEN %s THEN %s" for _ in range(keys))
+    reserved, units = column("KeyState", "reserved"), column("KeyState", "reserved_units")
+    return (
+        f"UPDATE {table('KeyState')} SET {reserved} = {reserved} + CASE {key} {cases} END,"
+        f" {units} = {units} + CASE {key} {cases} END WHERE {key} IN ({', '.join('%s' for _ in range(keys))})"
+    )
+
+
+@functools.cache
+def remember_send_delay() -> str:
+    """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
+    memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory
+    over, a larger delay raises it; other rows are not touched (nor locked)."""
+    current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
+    since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
+    rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
+    return f"""
+        WITH m AS (
+            SELECT k.key, k.span, {CLOCK} AS t FROM unnest(%(keys)s::text[], %(spans)s::interval[]) AS k(key, span)
+        )
+        UPDATE {table('KeyState')} AS s SET
+            {previous} = CASE
+                WHEN s.{since} IS NULL OR m.t >= s.{since} + 2 * m.span THEN 0
+                WHEN m.t >= s.{since} + m.span THEN s.{current}
+                ELSE s.{previous} END,
+            {current} = CASE WHEN {rolls} THEN %(us)s ELSE GREATEST(s.{current}, %(us)s) END,
+            {since} = CASE WHEN {rolls} THEN m.t ELSE s.{since} END
+        FROM m
+        WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
+    """
