@@ -18,7 +18,6 @@ from dispatcher import liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.faults import maybe_fail
 from dispatcher.limits import catalog, locks
 from dispatcher.managers import Claimed
 from dispatcher.models import CallQueue
@@ -74,7 +73,6 @@ class Dispenser:
             claimed = CallQueue.objects.claim_batch(key_sets, self.batch, policies)
             report.moved = len(claimed.calls)
             if claimed.calls:
-                maybe_fail("after_claim")
                 self._publish(claimed.calls, report)
                 served = {call.key_set for call in claimed.calls}
                 self.cursor = [k for k in key_sets if k in served][-1]

@@ -1,6 +1,9 @@
-"""A call's states and an attempt's outcomes, in a module of their own so that the modules below the
-models (managers, limiter, sql) use them without importing the models."""
+"""The vocabularies every view reads: a call's states, an attempt's outcomes and why a waiting call
+waits; in a module of their own so that the modules below the models use them without importing
+the models."""
 from __future__ import annotations
+
+import enum
 
 from django.db import models
 
@@ -9,7 +12,7 @@ class CallStatus(models.TextChoices):
     """Where a call is in its life; ``CallQueue.Status``."""
 
     # Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429.
-    PENDING = "pending", "Pending"
+    PENDING = "pending", "Waiting"
     # Claimed by a dispenser and published to Celery; not yet started by a worker.
     DISPATCHED = "dispatched", "Dispatched"
     # A worker is running the handler.
@@ -37,3 +40,22 @@ class AttemptOutcome(models.TextChoices):
     RATE_LIMITED = "rate_limited", "Rate limited (429)"
     # No outcome within DISPATCHER_RUN_TIMEOUT: the rescue sweep ended it.
     LOST = "lost", "Lost (rescued)"
+
+
+class WaitKind(enum.StrEnum):
+    """What holds a waiting call back: the limiter's verdicts and the call's own schedule alike."""
+
+    RUN_AT = "run_at"
+    """Its ``run_at`` has not come (sent for later)."""
+    BACKOFF = "backoff"
+    """It failed and waits for its retry's delay."""
+    DEFERRED = "deferred"
+    """A 429 sent it back to wait for the API's Retry-After."""
+    PAUSED = "paused"
+    """One of its keys is paused (by an operator, or by a 429)."""
+    CONCURRENCY = "concurrency"
+    """One of its keys has as many calls in flight as its concurrency cap."""
+    RATE = "rate"
+    """A configured policy (window or bucket) of one of its keys has no room for it."""
+    LEARNT = "learnt"
+    """A limit the API announced for one of its keys has no room for it."""

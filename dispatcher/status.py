@@ -7,7 +7,6 @@ the answer is what a dispenser would decide at this instant, give or take a conc
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,6 +22,7 @@ from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.states import WaitKind
 
 
 @dataclass(frozen=True)
@@ -160,17 +160,6 @@ class KeyStatus:
             "next_free_at": _iso(self.next_free_at),
             "drain_seconds": _seconds(self.drain_time),
         }
-
-
-class WaitKind(enum.StrEnum):
-    """What holds a waiting call back."""
-
-    RUN_AT = "run_at"
-    BACKOFF = "backoff"
-    DEFERRED = "deferred"
-    PAUSED = "paused"
-    RATE = "rate"
-    CONCURRENCY = "concurrency"
 
 
 @dataclass(frozen=True)
@@ -351,14 +340,14 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: cata
         )
         if not verdict.blocked:
             continue
-        if verdict.kind == gate.Hold.PAUSED:
+        if verdict.kind == WaitKind.PAUSED:
             state = states.get(key)
             reasons.append(WaitReason(
                 WaitKind.PAUSED,
                 f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
                 verdict.until, key,
             ))
-        elif verdict.kind == gate.Hold.CONCURRENCY:
+        elif verdict.kind == WaitKind.CONCURRENCY:
             reasons.append(WaitReason(
                 WaitKind.CONCURRENCY,
                 f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
@@ -367,8 +356,9 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: cata
             ))
         else:
             frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
-            source = " (a limit the API announced)" if verdict.kind == gate.Hold.LEARNT else ""
-            reasons.append(WaitReason(WaitKind.RATE, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
+            source = " (a limit the API announced)" if verdict.kind == WaitKind.LEARNT else ""
+            kind = WaitKind.LEARNT if verdict.kind == WaitKind.LEARNT else WaitKind.RATE
+            reasons.append(WaitReason(kind, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
     if not reasons:
         until = now
     elif any(r.until is None for r in reasons):

@@ -19,6 +19,7 @@ from django.db import InterfaceError, OperationalError, connections
 
 from dispatcher import arrivals
 from dispatcher.calls.dispense import DISPATCH_AHEAD
+from dispatcher.calls.start import StartState
 from dispatcher.combiner import StartCombiner
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
@@ -95,7 +96,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
     for _ in range(EARLY_TRIES):
         started = _record(_combined_start, call_id, dispatch_no, worker=worker, may_wait=ahead)
-        if started.state != "early":
+        if started.state != StartState.EARLY:
             break
         # Wake a little before the slot: the next start then finds it within HOLD_FOR_SLOT and
         # waits for it holding the key locks, so it lands on the slot rather than a sleep's
@@ -103,7 +104,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
         time.sleep(max(started.wait.total_seconds() - EARLY_WAKE, 0.0))
     else:
         started = _record(_combined_start, call_id, dispatch_no, worker=worker)
-    if started.state != "started":
+    if started.state != StartState.STARTED:
         log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, started.state, started.reason)
         return started.state
     call, attempt = started.call, started.attempt
@@ -236,11 +237,11 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         noted = arrivals.snapshot()
         early = []
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
-            if one.state == "started":
+            if one.state == StartState.STARTED:
                 assert one.call is not None and one.attempt is not None
                 runs.append(Run(one.call, one.attempt, one.capped, noted))
                 log.debug("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
-            elif one.state == "early":
+            elif one.state == StartState.EARLY:
                 early.append(((call_id, dispatch_no), one.wait))
             else:
                 log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)

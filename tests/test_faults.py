@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -148,7 +149,7 @@ def test_worker_killed_mid_call_is_rescued_done_and_the_limit_holds(procs, fake_
 def test_dispenser_killed_after_claim_commit_is_rescued_and_done(procs, fake_api, settings):
     settings.DISPATCHER_DISPATCH_TIMEOUT = "1s"
     ids = send_http(fake_api, "/ok", 5)
-    crashing = procs.dispenser(extra_env={"DISPATCHER_FAULTS": "after_claim"})
+    crashing = procs.start("dispenser", sys.executable, "-m", "tests.faulty_dispenser")
     crashing.wait(60)
     assert crashing.returncode == 70, procs.logs()
     stranded = statuses(ids)

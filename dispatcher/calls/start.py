@@ -1,6 +1,7 @@
 """Start: a worker moves a dispatched call to running under its keys' locks, counting the attempt."""
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -28,14 +29,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("dispatcher")
 
 
+# How long a start may wait for its slot while holding its keys' locks (see start()): a few
+# milliseconds that no other start of these keys could use anyway.
 HOLD_FOR_SLOT = timedelta(milliseconds=30)
+
+
+class StartState(enum.StrEnum):
+    """What a worker's attempt to start a delivery did."""
+
+    STARTED = "started"
+    """The call is running; its attempt is counted."""
+    STALE = "stale"
+    """The delivery is not the call's current one (a duplicate or late message): nothing changed."""
+    DEFERRED = "deferred"
+    """The call's keys had no room: it waits again until they do."""
+    EARLY = "early"
+    """The keys have room within the delivery's allowed wait: nothing changed; try again then."""
 
 
 @dataclass
 class Started:
     """The outcome of a worker's attempt to start a call."""
 
-    state: str  # "started", "stale", "deferred" or "early"
+    state: StartState
     call: CallQueue | None = None
     attempt: Attempt | None = None
     reason: str = ""
@@ -63,9 +79,9 @@ def start(
         cursor.execute(call_sql.call_head(), [call_id])
         head = cursor.fetchone()
     if head is None:
-        return Started("stale", reason="no such call")
+        return Started(StartState.STALE, reason="no such call")
     if head[1] != Status.DISPATCHED or head[2] != dispatch_no:
-        return Started("stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
+        return Started(StartState.STALE, reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}")
     keys = parse_key_set(head[0])
     cost = json_value(head[3]) or {}
     costs = {key: cost.get(key, 1) for key in keys}
@@ -106,24 +122,24 @@ def _start_locked(
                 assessment = gate.assess(keys, states, now, policies, for_start=True, costs=costs, using=manager.db)
                 verdict = gate.combine(list(assessment.verdicts.values()))
             if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
-                return Started("early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
+                return Started(StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
             if verdict.blocked:
                 until = verdict.until or now + timedelta(seconds=1)
                 deferred = manager.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
                     status=Status.PENDING, dispatched_at=None, run_at=until
                 )
                 if not deferred:
-                    return Started("stale", reason="claimed by another delivery")
+                    return Started(StartState.STALE, reason="claimed by another delivery")
                 ledger.adjust(keys, reserved=-1, units=costs, using=manager.db)
-                return Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
+                return Started(StartState.DEFERRED, reason=f"{verdict.key}: {verdict.reason}")
             capped = any(p.concurrency for key in keys for p in policies.for_key(key))
             record = gate.start_record(keys, states, assessment, policies, now, costs)
         else:
             now = db_now(manager.db)
         started = _mark_running(manager, call_id, dispatch_no, keys, now, worker[:200], record, folded)
     if started is None:
-        return Started("stale", reason="claimed by another delivery")
-    return Started("started", call=started[0], attempt=started[1], capped=capped)
+        return Started(StartState.STALE, reason="claimed by another delivery")
+    return Started(StartState.STARTED, call=started[0], attempt=started[1], capped=capped)
 
 
 def start_many(
@@ -154,10 +170,10 @@ def start_many(
     for index, (call_id, dispatch_no) in enumerate(deliveries):
         head = heads.get(call_id)
         if head is None or call_id in seen:
-            results[index] = Started("stale", reason="no such call" if head is None else "twice in one message")
+            results[index] = Started(StartState.STALE, reason="no such call" if head is None else "twice in one message")
         elif head[1] != Status.DISPATCHED or head[2] != dispatch_no:
             results[index] = Started(
-                "stale", reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}"
+                StartState.STALE, reason=f"call is {head[1]} (dispatch {head[2]}), message was for dispatch {dispatch_no}"
             )
         else:
             keys = parse_key_set(head[0])
@@ -196,7 +212,7 @@ def _start_group(
                 continue
             if verdict.until is not None and verdict.until - now <= may_wait:
                 results[index] = Started(
-                    "early", reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
+                    StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
                 )
                 continue
             until = verdict.until or now + timedelta(seconds=1)
@@ -206,14 +222,14 @@ def _start_group(
             if not deferred:
                 raise _GroupRaced
             ledger.adjust(keys, reserved=-1, units=costs, using=manager.db)
-            results[index] = Started("deferred", reason=f"{verdict.key}: {verdict.reason}")
+            results[index] = Started(StartState.DEFERRED, reason=f"{verdict.key}: {verdict.reason}")
         if admitted:
             started = _mark_running_group(manager, admitted, now, worker, group, folded)
             if len(started) < len(admitted):
                 raise _GroupRaced  # rolls back the whole group
             for index, call_id, _, _, capped in admitted:
                 call, attempt = started[call_id]
-                results[index] = Started("started", call=call, attempt=attempt, capped=capped)
+                results[index] = Started(StartState.STARTED, call=call, attempt=attempt, capped=capped)
     return results
 
 

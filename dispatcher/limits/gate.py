@@ -1,8 +1,7 @@
-"""The check: each key's readings under its lock, its room for a call, why it holds one (``Hold``), and what a start writes."""
+"""The check: each key's readings under its lock, its room for a call, why it holds one (``states.WaitKind``), and what a start writes."""
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from dispatcher.limits.guard import delay_memory
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
-from dispatcher.states import CallStatus
+from dispatcher.states import CallStatus, WaitKind
 from dispatcher.store import limit_sql, schema
 
 if TYPE_CHECKING:
@@ -80,16 +79,6 @@ def policies_for_start(
     return policies, now, Read(readings, running)
 
 
-class Hold(enum.StrEnum):
-    """Why a key has no room."""
-
-    PAUSED = "paused"
-    CONCURRENCY = "concurrency"
-    # A configured policy (window or bucket) has no room for the call.
-    RATE = "rate"
-    # A limit the API announced (dispatcher.learning) has no room for the call.
-    LEARNT = "learnt"
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -99,7 +88,7 @@ class Verdict:
     until: datetime | None = None
     reason: str = ""
     key: str = ""
-    kind: Hold | None = None
+    kind: WaitKind | None = None
     # The most units one call may cost and start now with nothing else promised, where more
     # than ``room`` (a bucket full for a while admits one call beyond its depth: TokenBucket.alone).
     alone: int | None = None
@@ -248,7 +237,7 @@ def check_key(
     """
     paused_until = _paused_until(key, state, now, policies)
     if paused_until is not None:
-        return Verdict(room=0, until=paused_until, reason="paused", key=key, kind=Hold.PAUSED)
+        return Verdict(room=0, until=paused_until, reason="paused", key=key, kind=WaitKind.PAUSED)
     governing = policies.for_key(key)
     if not governing:
         return Verdict(room=UNLIMITED)
@@ -264,7 +253,7 @@ def check_key(
         busy = (running or 0) + reserved
         verdicts.append(Verdict(
             room=cap - busy, until=None, reason=f"concurrency {busy}/{cap}", key=key,
-            kind=Hold.CONCURRENCY if cap - busy <= 0 else None,
+            kind=WaitKind.CONCURRENCY if cap - busy <= 0 else None,
         ))
     if readings is None:
         readings = read_policies({key: governing}, {key: state}, now, using)[key]
@@ -281,7 +270,7 @@ def check_key(
         until = policy.frees_at(reading, now, cost, reserved_units)
         learnt = any(policy is p for p in policies.learnt.get(key, ()))
         verdicts.append(Verdict(
-            room=0, until=until, reason=f"{policy.label()} used", key=key, kind=Hold.LEARNT if learnt else Hold.RATE,
+            room=0, until=until, reason=f"{policy.label()} used", key=key, kind=WaitKind.LEARNT if learnt else WaitKind.RATE,
         ))
     return combine(verdicts)
 

@@ -32,7 +32,7 @@ def postgresql_path(alias: str) -> bool:
 
 def meta(model: str) -> Options:
     # Looked up in the app registry rather than imported: this module sits below the models.
-    return apps.get_model("dispatcher", model).meta
+    return apps.get_model("dispatcher", model)._meta
 
 
 def quote(name: str) -> str:
