@@ -28,7 +28,7 @@ from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_moment, humanize_duration
 from dispatcher.keys import parse_key_set
-from dispatcher.models import Attempt, KeyStart
+from dispatcher.models import Attempt, StartLog
 
 PER_PAGE = 20
 MINUTES = 60
@@ -144,7 +144,7 @@ def window_units(statuses: list[live.KeyStatus], now: datetime) -> dict[str, dic
     start = now.replace(second=0, microsecond=0) - timedelta(minutes=MINUTES) - max(reach.values())
     found: dict[str, dict[datetime, int]] = {key: {} for key in reach}
     rows = (
-        KeyStart.objects.filter(key__in=list(reach), started_at__gte=start)
+        StartLog.objects.filter(key__in=list(reach), started_at__gte=start)
         .annotate(minute=TruncMinute("started_at")).values("key", "minute").annotate(n=Sum("units")).order_by()
     )
     for row in rows:
@@ -176,7 +176,7 @@ def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datet
     parts: dict[tuple[str, datetime], dict[str, int]] = {}
     if keys:
         rows = (
-            KeyStart.objects.filter(key__in=keys, started_at__gte=start)
+            StartLog.objects.filter(key__in=keys, started_at__gte=start)
             .annotate(minute=TruncMinute("started_at")).values("key", "minute").annotate(n=Count("id")).order_by()
         )
         for row in rows:
@@ -203,7 +203,7 @@ def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datet
 
 def starts_last_hour(now: datetime) -> dict[str, int]:
     """Return starts in the last hour per key: how busy each key is."""
-    rows = KeyStart.objects.filter(started_at__gte=now - timedelta(hours=1)).values("key").annotate(n=Count("id")).order_by()
+    rows = StartLog.objects.filter(started_at__gte=now - timedelta(hours=1)).values("key").annotate(n=Count("id")).order_by()
     return {row["key"]: row["n"] for row in rows}
 
 

@@ -148,7 +148,7 @@ def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
         used = window.limit - found.remaining
         for key in list(budgets):
             span = max(timedelta(seconds=window.seconds), learnt.get(key) or timedelta(0))
-            if tables.KeyStart.objects.filter(key=key, started_at__gt=now - span).count() >= used:
+            if tables.StartLog.objects.filter(key=key, started_at__gt=now - span).count() >= used:
                 del budgets[key]
     return budgets
 
@@ -167,11 +167,11 @@ def _budget(model, key: str, allowed: int, until: timedelta, longest: timedelta,
     model.objects.filter(key=key, source=source).delete()
     running = tables.CallQueue.objects.filter(status=CallStatus.RUNNING).values("id")
     first = (
-        tables.KeyStart.objects.filter(key=key, call_id__in=running, started_at__lte=now)
+        tables.StartLog.objects.filter(key=key, call_id__in=running, started_at__lte=now)
         .order_by("started_at").values_list("started_at", flat=True).first()
     ) or now
     # In units, as the window counts them (a call of cost c takes c of the ``allowed``).
-    since = tables.KeyStart.objects.filter(key=key, started_at__gte=first, started_at__lte=now).aggregate(
+    since = tables.StartLog.objects.filter(key=key, started_at__gte=first, started_at__lte=now).aggregate(
         units=Sum("units"))["units"] or 0
     period = until + (now - first)
     if period > longest:
@@ -252,7 +252,7 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
             if last is not None and last.expires_at - ttl > since:
                 since = last.expires_at - ttl
             starts = list(
-                tables.KeyStart.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
+                tables.StartLog.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
                 .order_by("started_at", "cum").values_list("started_at", "call_id")
             )
             refused = set(

@@ -195,7 +195,7 @@ class KeyState(models.Model):
         return self.key
 
 
-class KeyStart(models.Model):
+class StartLog(models.Model):
     """One start under one key: the sliding-window log, with the key's running total of units.
 
     A window's count is the key's total less the running total before the window's first

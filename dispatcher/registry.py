@@ -88,12 +88,3 @@ def get_handler(name: Any) -> Handler:
         known = ", ".join(sorted(_registry)) or "none"
         raise UnknownMethod(f"unknown method {name!r}; registered handlers: {known}")
     return _registry[name]
-
-
-def registered() -> dict[str, Handler]:
-    return dict(_registry)
-
-
-def unregister(name: str) -> None:
-    """Remove a handler (for tests)."""
-    _registry.pop(name, None)

@@ -21,7 +21,7 @@ from dispatcher.durations import format_duration, format_moment
 from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import Policy as PolicyShape
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
 from dispatcher.states import WaitKind
 
 
@@ -296,7 +296,7 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
             .values_list("key", flat=True)
         )
         wanted.update(
-            KeyStart.objects.filter(started_at__gte=now - timedelta(hours=1)).values_list("key", flat=True).distinct()
+            StartLog.objects.filter(started_at__gte=now - timedelta(hours=1)).values_list("key", flat=True).distinct()
         )
     else:
         wanted = set(keys)
@@ -375,7 +375,7 @@ def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 6
     start = end - timedelta(minutes=minutes - 1)
     counts = {
         row["minute"]: row["n"]
-        for row in KeyStart.objects.filter(key=key, started_at__gte=start)
+        for row in StartLog.objects.filter(key=key, started_at__gte=start)
         .annotate(minute=TruncMinute("started_at"))
         .values("minute")
         .annotate(n=Sum("units"))

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 from django.apps import apps
 
 if TYPE_CHECKING:
-    from dispatcher.models import Attempt, CallQueue, Heartbeat, KeyBucket, KeyStart, KeyState, LearntLimit, RateLimit
+    from dispatcher.models import Attempt, CallQueue, Heartbeat, KeyBucket, KeyState, LearntLimit, RateLimit, StartLog
 
-__all__ = ["Attempt", "CallQueue", "Heartbeat", "KeyBucket", "KeyStart", "KeyState", "LearntLimit", "RateLimit"]
+__all__ = ["Attempt", "CallQueue", "Heartbeat", "KeyBucket", "StartLog", "KeyState", "LearntLimit", "RateLimit"]
 
 
 def __getattr__(name: str) -> Any:

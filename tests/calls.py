@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dispatcher.models import CallQueue, KeyStart
+from dispatcher.models import CallQueue, StartLog
 from support.fakeapi import FakeAPI
 
 
@@ -38,7 +38,7 @@ def all_finished(ids: list[int] | None = None) -> bool:
 
 def start_times(key: str) -> list[float]:
     """Every start the limiter logged under a key, as epoch seconds."""
-    return [t.timestamp() for t in KeyStart.objects.filter(key=key).values_list("started_at", flat=True)]
+    return [t.timestamp() for t in StartLog.objects.filter(key=key).values_list("started_at", flat=True)]
 
 
 def latency_spread(api: FakeAPI, starts_by_call: dict[str, float]) -> float:

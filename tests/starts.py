@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from dispatcher.models import KeyStart, KeyState
+from dispatcher.models import KeyState, StartLog
 
 
 def log_starts(key: str, times: Iterable[datetime], units: int = 1) -> None:
@@ -14,6 +14,6 @@ def log_starts(key: str, times: Iterable[datetime], units: int = 1) -> None:
     rows = []
     for moment in sorted(times):
         total += units
-        rows.append(KeyStart(key=key, started_at=moment, units=units, cum=total))
-    KeyStart.objects.bulk_create(rows)
+        rows.append(StartLog(key=key, started_at=moment, units=units, cum=total))
+    StartLog.objects.bulk_create(rows)
     KeyState.objects.filter(key=key).update(total=total)

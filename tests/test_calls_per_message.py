@@ -7,7 +7,7 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
+from dispatcher.models import Attempt, CallQueue, RateLimit, StartLog
 from support.fakeapi import max_in_window
 from support.processes import wait_until
 from tests.claims import claim
@@ -44,7 +44,7 @@ def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, f
     assert sum(sizes) == 10 and max(sizes) <= 4 and len(sizes) < 10, (sizes, procs.logs())
     assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {c.id: 1 for c in calls}
     assert sum(fake_api.counters[f"/ok/{i}"] for i in range(10)) == 10
-    starts = [t.timestamp() for t in KeyStart.objects.filter(key="partner").values_list("started_at", flat=True)]
+    starts = [t.timestamp() for t in StartLog.objects.filter(key="partner").values_list("started_at", flat=True)]
     assert max_in_window(starts, 1.0) <= 5
 
 

@@ -10,7 +10,7 @@ import pytest
 from django.db import connections, transaction
 
 from dispatcher.combiner import StartCombiner
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
 from tests.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -92,7 +92,7 @@ def test_threads_waiting_on_a_busy_key_start_as_one_group_exactly_within_the_lim
             assert result.call.id == call_id  # each thread gets its own call back
     assert Attempt.objects.count() == 7
     assert KeyState.objects.get(key="api").total == 7
-    assert KeyStart.objects.filter(key="api").count() == 7
+    assert StartLog.objects.filter(key="api").count() == 7
     assert CallQueue.objects.filter(status="running").count() == 7
     assert CallQueue.objects.filter(status="pending").count() == 5
 

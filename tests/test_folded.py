@@ -15,7 +15,7 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatcher.calls import start
 from dispatcher.limits import gate
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
 from tests.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -136,7 +136,7 @@ def test_a_key_row_gone_since_the_claim_is_created_in_djangos_transaction():
     assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
     assert _idle()
     assert KeyState.objects.get(key="api").total == 1
-    assert KeyStart.objects.filter(key="api").count() == 1
+    assert StartLog.objects.filter(key="api").count() == 1
 
 
 def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
@@ -150,7 +150,7 @@ def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
         assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
         raise Undo
     assert CallQueue.objects.get(id=call.id).status == "dispatched"
-    assert not KeyStart.objects.exists()
+    assert not StartLog.objects.exists()
 
 
 def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts_alone(monkeypatch):
@@ -171,6 +171,6 @@ def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts
     assert _idle()
     # Each call started once: one attempt each, one log row each, the key's total 3.
     assert sorted(Attempt.objects.values_list("call_id", flat=True)) == [c.id for c in calls]
-    assert KeyStart.objects.filter(key="api").count() == 3
+    assert StartLog.objects.filter(key="api").count() == 3
     state = KeyState.objects.get(key="api")
     assert (state.total, state.reserved) == (3, 0)

@@ -5,7 +5,7 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
 from dispatcher.worker import execute
 from tests.claims import claim
 
@@ -41,7 +41,7 @@ def test_dispatched_calls_count_against_the_window_until_they_start():
     CallQueue.objects.send("greet", {"name": "b"})
     claimed = claim_one(first)
     assert execute(claimed.id, claimed.dispatch_no) == "done"
-    assert KeyStart.objects.filter(key="greeter").count() == 1
+    assert StartLog.objects.filter(key="greeter").count() == 1
     blocked = claim_all(CallQueue.objects.get(params={"name": "b"}).key_set)
     assert blocked.calls == [] and blocked.verdict.until is not None
     assert blocked.verdict.until > CallQueue.objects.get(pk=first.pk).started_at + timedelta(seconds=59)

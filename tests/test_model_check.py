@@ -23,7 +23,7 @@ import dispatcher.limits.gate
 from dispatcher import CostNeverFits
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import TokenBucket
-from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.claims import claim
 from tests.clocks import fake_db_clock
 
@@ -71,7 +71,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         def __init__(self) -> None:
             super().__init__()
-            for model in (Attempt, CallQueue, KeyStart, KeyState, RateLimit, KeyBucket):
+            for model in (Attempt, CallQueue, StartLog, KeyState, RateLimit, KeyBucket):
                 model.objects.all().delete()
             clock.now = datetime(2030, 1, 1, tzinfo=UTC)
             self.sent: set[int] = set()
@@ -273,7 +273,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
             # The limiter's own log agrees with the starts the model saw.
             for key in KEYS:
                 # A start refunded to 0 units shares its running total with the start before it: id breaks the tie.
-                logged = list(KeyStart.objects.filter(key=key).order_by("cum", "id").values_list("started_at", "units"))
+                logged = list(StartLog.objects.filter(key=key).order_by("cum", "id").values_list("started_at", "units"))
                 assert logged == [(t, u) for t, u, _ in self.starts[key]], key
 
     return LimiterModel

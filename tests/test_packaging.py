@@ -134,12 +134,12 @@ def test_a_startproject_site_follows_the_readme_to_paced_calls_and_tasks(wheel, 
         _, call_id, *task_ids = out.strip().splitlines()[-1].split()
 
         read = (
-            "import json\nfrom dispatcher.models import CallQueue, KeyStart\n"
+            "import json\nfrom dispatcher.models import CallQueue, StartLog\n"
             + readme(block("# python manage.py shell (later")).replace("print(done.status, done.return_value)", "")
             .replace("done = fetch_account.get_result(result_id)", "")
             + f"\nresults = [fetch_account.get_result(i) for i in {task_ids!r}]"
             + f"\ncall = CallQueue.objects.get(pk={call_id})"
-            + "\nstarts = [t.timestamp() for t in KeyStart.objects.filter(key='partner').values_list('started_at', flat=True)]"
+            + "\nstarts = [t.timestamp() for t in StartLog.objects.filter(key='partner').values_list('started_at', flat=True)]"
             + "\nprint(json.dumps({'call': call.status, 'tasks': [r.status for r in results],"
             + " 'values': [r.return_value if r.is_finished else None for r in results], 'starts': starts}))"
         )

@@ -18,7 +18,7 @@ import dispatcher.limits.catalog
 import dispatcher.limits.gate
 from dispatcher.calls import dispense, finish, send, start
 from dispatcher.limits import catalog
-from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.clocks import fake_db_clock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
@@ -83,7 +83,7 @@ def _rows() -> dict[str, Any]:
         ),
         "start log": sorted(
             (s["key"], s["started_at"], s["units"], s["cum"], order[s["call_id"]])
-            for s in KeyStart.objects.values("key", "started_at", "units", "cum", "call_id")
+            for s in StartLog.objects.values("key", "started_at", "units", "cum", "call_id")
         ),
         "key states": list(KeyState.objects.order_by("key").values()),
         "buckets": list(KeyBucket.objects.order_by("key", "period").values("key", "period", "tat_us", "since")),
@@ -91,7 +91,7 @@ def _rows() -> dict[str, Any]:
 
 
 def _forget() -> None:
-    for model in (Attempt, CallQueue, KeyStart, KeyState, KeyBucket, RateLimit):
+    for model in (Attempt, CallQueue, StartLog, KeyState, KeyBucket, RateLimit):
         model.objects.all().delete()
 
 

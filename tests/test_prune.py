@@ -13,7 +13,7 @@ from django.db import connection, connections
 
 from dispatcher.clock import db_now
 from dispatcher.limits import catalog
-from dispatcher.models import Attempt, CallQueue, KeyStart, RateLimit
+from dispatcher.models import Attempt, CallQueue, RateLimit, StartLog
 from dispatcher.status import key_statuses
 from tests.claims import claim
 
@@ -87,15 +87,15 @@ def test_prune_keeps_what_a_limiter_window_still_needs():
     inside = make("done", timedelta(hours=2))
     outside = make("done", timedelta(days=2))
     now = db_now()
-    KeyStart.objects.bulk_create([
-        KeyStart(key="api", started_at=now - timedelta(hours=2)),
-        KeyStart(key="api", started_at=now - timedelta(days=2)),
+    StartLog.objects.bulk_create([
+        StartLog(key="api", started_at=now - timedelta(hours=2)),
+        StartLog(key="api", started_at=now - timedelta(days=2)),
     ])
     # --older-than 1h asks for more than the 1-day window allows: the 2-hour-old call stays.
     assert CallQueue.objects.prune(timedelta(hours=1)) == 1
     assert list(CallQueue.objects.values_list("id", flat=True)) == [inside.id]
     assert Attempt.objects.filter(call=inside).exists() and not Attempt.objects.filter(call=outside).exists()
-    assert list(KeyStart.objects.values_list("started_at", flat=True)) == [now - timedelta(hours=2)]
+    assert list(StartLog.objects.values_list("started_at", flat=True)) == [now - timedelta(hours=2)]
     # The limiter still counts the start inside its window.
     (status,) = key_statuses(["api"])
     assert status.policies[0].used == 1

@@ -11,7 +11,7 @@ from django.core.management.base import CommandError
 from dispatcher import CostNeverFits, InvalidCost
 from dispatcher.clock import from_us, to_us
 from dispatcher.limits.catalog import Policies
-from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.status import key_statuses
 from dispatcher.worker import execute
 from tests.claims import claim
@@ -81,7 +81,7 @@ def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
     again = claim_all(CallQueue.objects.first().key_set)
     # The bucket is empty: the next token comes one interval (a minute) after the burst.
     assert again.calls == [] and again.verdict.blocked
-    assert timedelta(seconds=59) < again.verdict.until - KeyStart.objects.order_by("-cum").first().started_at
+    assert timedelta(seconds=59) < again.verdict.until - StartLog.objects.order_by("-cum").first().started_at
     (bucket,) = KeyBucket.objects.filter(key="greeter")
     assert bucket.period == timedelta(minutes=1)
     (status,) = key_statuses(["greeter"])
@@ -196,7 +196,7 @@ def test_a_handler_computes_the_cost_and_reports_what_it_really_used():
     claimed = claim_all(call.key_set)
     assert run_all(claimed.calls) == ["done"]
     # Charged 800 at the start, corrected to the 120 the handler reported.
-    assert KeyStart.objects.get(key="llm").units == 120
+    assert StartLog.objects.get(key="llm").units == 120
     (status,) = key_statuses(["llm"])
     assert [p.used for p in status.policies] == [120, 120]
     nxt = CallQueue.objects.send("complete", {"max_tokens": 880})
@@ -225,7 +225,7 @@ def test_a_refund_never_gives_a_new_bucket_units_it_did_not_charge(settings):
     # The first call's 5 units were never taken from this bucket: none come back.
     third = CallQueue.objects.send("complete", {"max_tokens": 1})
     assert claim_all(third.key_set).calls == []
-    assert KeyStart.objects.get(call_id=first.id).units == 0
+    assert StartLog.objects.get(call_id=first.id).units == 0
 
 
 @pytest.mark.postgres
@@ -256,7 +256,7 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     assert run_all([claimed]) == ["done"]
     call.refresh_from_db()
     (attempt,) = Attempt.objects.filter(call=call)
-    (logged,) = KeyStart.objects.filter(key="greeter")
+    (logged,) = StartLog.objects.filter(key="greeter")
     assert call.started_at == attempt.started_at == logged.started_at
     assert call.started_at > before
     (bucket,) = KeyBucket.objects.filter(key="greeter")

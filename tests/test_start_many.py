@@ -9,7 +9,7 @@ import pytest
 
 from dispatcher.clock import from_us
 from dispatcher.limits import gate
-from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyStart, KeyState, RateLimit
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.worker import execute_many
 from tests.test_lifecycle import claim_all
 
@@ -51,7 +51,7 @@ def test_a_group_is_checked_as_one_each_start_counting_against_the_next(before, 
     assert (third.status, third.attempts) == ("pending", 0)
     state = KeyState.objects.get(key="api")
     assert (state.reserved, state.reserved_units, state.total) == (0, 0, 2)
-    assert sorted(KeyStart.objects.filter(key="api").values_list("cum", flat=True)) == [1, 2]
+    assert sorted(StartLog.objects.filter(key="api").values_list("cum", flat=True)) == [1, 2]
     assert gate.running_by_key(["api"]) == {"api": 2}
     if "burst" in after:
         # The bucket holds the state after both charges, as two starts one after the other leave it.
@@ -98,7 +98,7 @@ def test_a_group_of_calls_of_different_keys_and_costs_starts_with_each_keys_own_
     assert [s.state for s in started] == ["started"] * 4
     totals = dict(KeyState.objects.values_list("key", "total"))
     assert (totals["api"], totals["llm"]) == (2, 14)
-    assert sorted(KeyStart.objects.filter(key="llm").values_list("units", "cum")) == [(7, 7), (7, 14)]
+    assert sorted(StartLog.objects.filter(key="llm").values_list("units", "cum")) == [(7, 7), (7, 14)]
 
 
 def test_a_message_runs_its_calls_and_records_each_outcome_once():

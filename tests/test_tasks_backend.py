@@ -9,7 +9,7 @@ from asgiref.sync import async_to_sync
 from django.db import transaction
 
 from dispatcher.exceptions import InvalidCall
-from dispatcher.models import CallQueue, KeyStart, RateLimit
+from dispatcher.models import CallQueue, RateLimit, StartLog
 from dispatcher.worker import execute
 from support.fakeapi import max_in_window
 from support.processes import wait_until
@@ -168,7 +168,7 @@ def test_tasks_reach_the_api_paced_by_their_keys_through_real_workers(procs, fak
     assert [r.status for r in read] == [TaskResultStatus.SUCCESSFUL] * 6
     assert sorted(r.return_value["page"] for r in read) == list(range(6))
     assert fail.get_result(failing.id).errors[0].exception_class is LookupError
-    starts = [t.timestamp() for t in KeyStart.objects.filter(key="partner:acme").values_list("started_at", flat=True)]
+    starts = [t.timestamp() for t in StartLog.objects.filter(key="partner:acme").values_list("started_at", flat=True)]
     assert len(starts) == 6 and max_in_window(starts, 1.0) <= 2
     assert Counter(a.call for a in fake_api.arrivals) == {f"acme:{n}": 1 for n in range(6)}
 

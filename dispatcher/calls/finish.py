@@ -202,7 +202,7 @@ def correct_cost(
         locks.lock_keys(keys, using=manager.db)
         policies = catalog.Policies.load(manager.db)
         now = db_now(manager.db)
-        starts = tables.KeyStart.objects.using(manager.db)
+        starts = tables.StartLog.objects.using(manager.db)
         buckets = tables.KeyBucket.objects.using(manager.db)
         for key, delta in deltas.items():
             start = starts.filter(key=key, started_at=call.started_at, call_id=call.id).first()
@@ -236,7 +236,7 @@ def _starts_after(
     Starts at the same instant are included whatever their order: they can only make the
     refund smaller, never give back units a later start still holds.
     """
-    later = tables.KeyStart.objects.using(manager.db).filter(key=key, started_at__gte=call.started_at)
+    later = tables.StartLog.objects.using(manager.db).filter(key=key, started_at__gte=call.started_at)
     if start is not None:
         later = later.exclude(id=start.pk)
     return list(later.order_by("started_at", "id").values_list("started_at", "units"))

@@ -128,7 +128,7 @@ def prune(
 
     Only done, failed and cancelled calls are touched, and none that finished within the
     longest policy period, so the attempt history behind a limiter window stays; the
-    window log itself (KeyStart) is trimmed by ``ledger.prune_starts``, which keeps what
+    window log itself (StartLog) is trimmed by ``ledger.prune_starts``, which keeps what
     a window needs. ``progress(done, total)`` is called after every batch. With
     ``dry_run`` nothing is deleted and the number that would be is returned.
     """

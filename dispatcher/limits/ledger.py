@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 def record_starts(at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None) -> None:
     """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
     db = alias(using)
-    tables.KeyStart.objects.using(db).bulk_create(
-        [tables.KeyStart(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
+    tables.StartLog.objects.using(db).bulk_create(
+        [tables.StartLog(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
     )
     if record.buckets:
         tables.KeyBucket.objects.using(db).bulk_create(
@@ -153,7 +153,7 @@ def prune_starts(batch: int = 5000, using: str | None = None) -> int:
     deleted = 0
     while True:
         with transaction.atomic(using=db):
-            starts = tables.KeyStart.objects.using(db)
+            starts = tables.StartLog.objects.using(db)
             ids = list(starts.filter(started_at__lt=cutoff).values_list("id", flat=True)[:batch])
             if not ids:
                 return deleted

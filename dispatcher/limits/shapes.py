@@ -99,11 +99,6 @@ class Policy:
     # --- shared helpers --------------------------------------------------------------------------
 
     @property
-    def stateful(self) -> bool:
-        """Whether the shape keeps its own state row (a bucket) rather than reading the start log."""
-        return False
-
-    @property
     def per_minute(self) -> float:
         """The policy's sustained rate in units per minute (the dashboard's limit line)."""
         return self.limit * 60 / self.period.total_seconds()
@@ -236,10 +231,6 @@ class TokenBucket(Policy):
     def depth(self) -> int:
         """The burst as applied (the API's burst less the guard's reserve)."""
         return self.burst - self.reserve
-
-    @property
-    def stateful(self) -> bool:
-        return True
 
     def capacity(self) -> int:
         return self.depth

@@ -174,7 +174,7 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
         "call": c("id"), "number": f"{c('attempts')} + {c('deferrals')}", "started_at": "clock.now",
         "outcome": "%(outcome)s", "error": "''", "worker": "%(worker)s",
     })
-    log_columns, log_values = insert_clause("KeyStart", {
+    log_columns, log_values = insert_clause("StartLog", {
         "key": "log.key", "started_at": "clock.now", "units": "log.units", "cum": "log.cum", "call_id": call_id,
     })
     bucket_columns, bucket_values = insert_clause("KeyBucket", {
@@ -189,7 +189,7 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
             RETURNING {column('Attempt', 'id')} AS id, {column('Attempt', 'number')} AS number,
                 {column('Attempt', 'call')} AS call_id
         ), start_log AS (
-            INSERT INTO {table('KeyStart')} ({log_columns})
+            INSERT INTO {table('StartLog')} ({log_columns})
             SELECT {log_values} FROM {gate}, clock, {_START_LOG} WHERE {condition}
         ), buckets AS (
             INSERT INTO {table('KeyBucket')} ({bucket_columns})

@@ -56,9 +56,9 @@ def _bucket_probe() -> str:
 def _window_probe(since: str) -> str:
     # The running total before a window's first start (params: key, then the window's start as
     # ``since`` takes it): one index probe.
-    key, started_at, cum = column("KeyStart", "key"), column("KeyStart", "started_at"), column("KeyStart", "cum")
+    key, started_at, cum = column("StartLog", "key"), column("StartLog", "started_at"), column("StartLog", "cum")
     return (
-        f"(SELECT {cum} - {column('KeyStart', 'units')} FROM {table('KeyStart')}"
+        f"(SELECT {cum} - {column('StartLog', 'units')} FROM {table('StartLog')}"
         f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum} LIMIT 1)"
     )
 
