@@ -26,7 +26,7 @@ from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration, parse_positive_duration
-from dispatcher.keys import is_pattern, parse_key_set, pattern_matches, validate_policy_key
+from dispatcher.keys import is_pattern, key_in_set, parse_key_set, pattern_matches, validate_policy_key
 from dispatcher.limits.shapes import PolicyError, validate
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.redact import redact, redact_text
@@ -131,10 +131,11 @@ class KeyFilter(admin.SimpleListFilter):
                  "clear": changelist.get_query_string(remove=[self.parameter_name])}]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
-        if not self.value():
+        key = self.value()
+        if not key:
             return queryset
         # key_set is the sorted keys as JSON text, so the quoted key matches one element exactly.
-        return queryset.filter(key_set__contains=json.dumps(self.value()))
+        return queryset.filter(key_set__contains=key_in_set(key))
 
 
 class RefuseUnstorableMixin:

@@ -8,7 +8,6 @@ rather than by a template loop.
 """
 from __future__ import annotations
 
-import json
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlencode
@@ -27,7 +26,7 @@ from dispatcher import liveness
 from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_moment, humanize_duration
-from dispatcher.keys import parse_key_set
+from dispatcher.keys import key_in_set, parse_key_set
 from dispatcher.models import Attempt, StartLog
 
 PER_PAGE = 20
@@ -185,7 +184,7 @@ def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datet
         # key_set holds the sorted keys as JSON text: a quoted key matches one element exactly.
         matches = Q()
         for key in keys:
-            matches |= Q(call__key_set__contains=json.dumps(key))
+            matches |= Q(call__key_set__contains=key_in_set(key))
         attempts = (
             Attempt.objects.filter(matches, started_at__gte=start)
             .annotate(minute=TruncMinute("started_at")).values("call__key_set", "minute", "outcome")

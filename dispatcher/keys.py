@@ -99,6 +99,11 @@ def _key_set_text(keys: frozenset[str]) -> str:
     return _compact_json.encode(sorted(keys))
 
 
+def key_in_set(key: str) -> str:
+    """Return the text a key takes inside a stored key set (to find the sets that hold it)."""
+    return json.dumps(key)
+
+
 def parse_key_set(text: str) -> list[str]:
     return list(json.loads(text))
 

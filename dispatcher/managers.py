@@ -15,6 +15,7 @@ from dispatcher.calls import dispense, finish, send, start, sweep
 from dispatcher.calls.dispense import BatchClaim, Claimed
 from dispatcher.calls.start import Started
 from dispatcher.calls.sweep import RescueReport
+from dispatcher.keys import key_in_set
 from dispatcher.limits import catalog, edit
 from dispatcher.states import CallStatus as Status
 
@@ -38,6 +39,10 @@ class CallQueueQuerySet(models.QuerySet):
     def finished(self) -> CallQueueQuerySet:
         """Return the calls done, failed or cancelled."""
         return self.filter(status__in=[Status.DONE, Status.FAILED, Status.CANCELLED])
+
+    def carrying(self, key: str) -> CallQueueQuerySet:
+        """Return the calls that carry ``key`` among their keys (a key set is JSON text: the key quoted)."""
+        return self.filter(key_set__contains=key_in_set(key))
 
     def due(self, now: datetime) -> CallQueueQuerySet:
         """Return the waiting calls whose ``run_at`` has come."""

@@ -56,7 +56,7 @@ class Command(BaseCommand):
             calls = calls.filter(status=status)
         if key:
             # key_set is the sorted keys as JSON text: the quoted key matches one element exactly.
-            calls = calls.filter(key_set__contains=json.dumps(key))
+            calls = calls.carrying(key)
         if method:
             calls = calls.filter(method=method)
         rows = list(calls[:count])

@@ -51,7 +51,7 @@ def _known(key: str) -> bool:
         RateLimit.objects.filter(key=key).exists()
         or any(pattern_matches(p, key) for p in patterns)
         or KeyState.objects.filter(key=key).exists()
-        or CallQueue.objects.pending().filter(key_set__contains=json.dumps(key)).exists()
+        or CallQueue.objects.pending().carrying(key).exists()
     )
 
 
