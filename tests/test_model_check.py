@@ -20,6 +20,7 @@ from hypothesis.stateful import (
 
 import dispatcher.limits.catalog
 import dispatcher.limits.gate
+import dispatcher.retry
 from dispatcher import CostNeverFits
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import TokenBucket
@@ -48,7 +49,7 @@ def clock(monkeypatch, settings) -> Clock:
     settings.DISPATCHER_DISPATCH_TIMEOUT = "5s"
     settings.DISPATCHER_RUN_TIMEOUT = "10s"
     settings.DISPATCHER_RETRY_BASE = "500ms"
-    settings.DISPATCHER_RETRY_JITTER = 0
+    monkeypatch.setattr(dispatcher.retry, "JITTER", 0)
     settings.DISPATCHER_MAX_DEFERRALS = ""
     fake = Clock()
     fake_db_clock(monkeypatch, fake)

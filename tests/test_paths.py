@@ -16,6 +16,7 @@ import pytest
 
 import dispatcher.limits.catalog
 import dispatcher.limits.gate
+import dispatcher.retry
 from dispatcher.calls import dispense, finish, send, start
 from dispatcher.limits import catalog
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
@@ -28,7 +29,7 @@ NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
 @pytest.fixture(autouse=True)
 def fixed_clock(monkeypatch, settings):
-    settings.DISPATCHER_RETRY_JITTER = 0
+    monkeypatch.setattr(dispatcher.retry, "JITTER", 0)
     clock = lambda using=None: NOW  # noqa: E731
     fake_db_clock(monkeypatch, clock)
     monkeypatch.setattr(catalog.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
