@@ -169,7 +169,7 @@ class RateLimitManager(models.Manager["RateLimit"]):
         replacing: int | None = None,
     ) -> RateLimit:
         """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
-        return edit.set_policy(self, key, limit, period, concurrency, burst=burst, replacing=replacing)
+        return edit.set_policy(self, key, limit, period, concurrency, burst, replacing)
 
     def delete_policies(self, key: str, period: timedelta | None = None) -> int:
         """Delete the policies of ``key`` (only the one of ``period`` if given); return how many."""

@@ -53,8 +53,7 @@ class BatchClaim:
     verdicts: dict[str, gate.Verdict]
 
 
-def waiting_key_sets(
-    manager: CallQueueManager, after: str | None = None, limit: int = 10_000) -> list[str]:
+def waiting_key_sets(manager: CallQueueManager, after: str | None = None, limit: int = 10_000) -> list[str]:
     """Return the distinct key sets of waiting calls, in order, one index probe each."""
     # A loose index scan: each step asks the partial index for the next key set.
     with connections[manager.db].cursor() as cursor:
@@ -63,7 +62,8 @@ def waiting_key_sets(
 
 
 def claim_batch(
-    manager: CallQueueManager, key_sets: Sequence[str], budget: int, policies: catalog.Policies) -> BatchClaim:
+    manager: CallQueueManager, key_sets: Sequence[str], budget: int, policies: catalog.Policies
+) -> BatchClaim:
     """Claim up to ``budget`` due calls across key sets, sharing it in rounds, in one transaction.
 
     Each round asks every key set still in play for an equal share of what is left (no more
@@ -164,16 +164,14 @@ def claim_batch(
     return result
 
 
-def _claim_rows(
-    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+def _claim_rows(manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
     """Mark up to ``asks[key_set]`` due calls of each key set dispatched; skip rows locked elsewhere."""
     if schema.postgresql_path(manager.db):
         return _claim_rows_postgresql(manager, asks, now)
     return _claim_rows_portable(manager, asks, now)
 
 
-def _claim_rows_portable(
-    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+def _claim_rows_portable(manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
     """Per key set: select the due rows (skipping locked ones), then mark them, through the ORM."""
     claimed = []
     for text, wanted in asks.items():
@@ -193,8 +191,7 @@ def _claim_rows_portable(
     return claimed
 
 
-def _claim_rows_postgresql(
-    manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
+def _claim_rows_postgresql(manager: CallQueueManager, asks: dict[str, int], now: datetime) -> list[Claimed]:
     """Select and mark the due calls of every asking key set in one statement (``call_sql.claim_due``)."""
     params: dict[str, Any] = {
         "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
@@ -208,8 +205,7 @@ def _claim_rows_postgresql(
         ]
 
 
-def put_back(
-    manager: CallQueueManager, calls: Iterable[Claimed]) -> int:
+def put_back(manager: CallQueueManager, calls: Iterable[Claimed]) -> int:
     """Return claimed calls whose publish failed to waiting at once."""
     by_set: dict[str, list[Claimed]] = {}
     for call in calls:
@@ -233,7 +229,6 @@ def put_back(
     return returned
 
 
-def next_due_at(
-    manager: CallQueueManager, now: datetime) -> datetime | None:
+def next_due_at(manager: CallQueueManager, now: datetime) -> datetime | None:
     """Return when the earliest call that is not yet due becomes due."""
     return manager.filter(status=Status.PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()

@@ -94,7 +94,8 @@ def _finish_postgresql(
 
 
 def finish_done(
-    manager: CallQueueManager, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True) -> bool:
+    manager: CallQueueManager, call: CallQueue, attempt: Attempt, result: Any, *, wake: bool = True
+) -> bool:
     """Record a successful attempt and its result; ``wake=False`` when no key has a concurrency cap.
 
     On PostgreSQL one statement on the database's clock (``finish_done_many``'s), with no
@@ -107,8 +108,7 @@ def finish_done(
     )
 
 
-def finish_done_many(
-    manager: CallQueueManager, done: Sequence[tuple[CallQueue, Attempt, Any, bool]]) -> int:
+def finish_done_many(manager: CallQueueManager, done: Sequence[tuple[CallQueue, Attempt, Any, bool]]) -> int:
     """Record successful attempts (call, attempt, result, wake) together; return how many were won.
 
     On PostgreSQL one statement, as ``finish_done`` for one; a call rescued while it ran is
@@ -183,8 +183,7 @@ def finish_rate_limited(
     return True
 
 
-def correct_cost(
-    manager: CallQueueManager, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
+def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
     """Correct the keys' usage to what a started call really cost; return the change per key.
 
     The call's rows in the start log take the reported units (and every later running
@@ -230,7 +229,8 @@ def correct_cost(
 
 
 def _starts_after(
-    manager: CallQueueManager, key: str, call: CallQueue, start: models.Model | None) -> list[tuple[datetime, int]]:
+    manager: CallQueueManager, key: str, call: CallQueue, start: models.Model | None
+) -> list[tuple[datetime, int]]:
     """Return (time, units) of the key's starts after ``call``'s, in order, for a bucket's refund.
 
     Starts at the same instant are included whatever their order: they can only make the

@@ -56,8 +56,7 @@ def attempts(manager: CallQueueManager) -> models.QuerySet[Attempt]:
     return tables.Attempt.objects.using(manager.db)
 
 
-def fail_unreadable(
-    manager: CallQueueManager, calls: CallQueueQuerySet, problem: str) -> int:
+def fail_unreadable(manager: CallQueueManager, calls: CallQueueQuerySet, problem: str) -> int:
     """Mark calls whose stored row cannot be read failed, saying why, so they stop no pass or sweep."""
     failed = calls.update(
         status=Status.FAILED, dispatched_at=None, finished_at=db_now(manager.db), last_error=f"unreadable row: {problem}"

@@ -196,8 +196,7 @@ def send_one(
     return row
 
 
-def send_many(
-    manager: CallQueueManager, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
+def send_many(manager: CallQueueManager, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
     """Store many calls (each a dict of send()'s arguments) in one statement; all or none."""
     settings = _SendSettings(manager.db)
     cleaned = []

@@ -275,7 +275,8 @@ def _mark_running_group(
 
 
 def _started_from_row(
-    manager: CallQueueManager, row: Sequence[Any], now: datetime, worker: str) -> tuple[CallQueue, Attempt]:
+    manager: CallQueueManager, row: Sequence[Any], now: datetime, worker: str
+) -> tuple[CallQueue, Attempt]:
     """The call and attempt a start statement returned (the attempt's id and number, then the call).
 
     The start's time is the call's ``started_at``: the statement's own clock, never before ``now``.

@@ -41,8 +41,7 @@ class RescueReport:
     ids: list[int] = field(default_factory=list)
 
 
-def rescue(
-    manager: CallQueueManager, batch: int | None = None) -> RescueReport:
+def rescue(manager: CallQueueManager, batch: int | None = None) -> RescueReport:
     """Return calls stuck in dispatched or running past their timeout to waiting."""
     batch = batch or dispatcher_settings.tuned("RESCUE_BATCH", RESCUE_BATCH)
     report = RescueReport()
@@ -168,8 +167,7 @@ def prune(
     return deleted
 
 
-def retry_now(
-    manager: CallQueueManager, ids: Iterable[int]) -> int:
+def retry_now(manager: CallQueueManager, ids: Iterable[int]) -> int:
     """Make waiting calls due now and give failed calls one more attempt; return how many."""
     ids = list(ids)
     with transaction.atomic(using=manager.db):
@@ -187,8 +185,7 @@ def retry_now(
     return waiting + failed
 
 
-def cancel(
-    manager: CallQueueManager, ids: Iterable[int]) -> int:
+def cancel(manager: CallQueueManager, ids: Iterable[int]) -> int:
     """Cancel waiting calls; calls in flight or finished are left alone."""
     with transaction.atomic(using=manager.db):
         now = db_now(manager.db)

@@ -22,13 +22,8 @@ if TYPE_CHECKING:
 
 
 def set_policy(
-    manager: RateLimitManager, key: str,
-    limit: int,
-    period: timedelta,
-    concurrency: int | None = None,
-    *,
-    burst: int | None = None,
-    replacing: int | None = None,
+    manager: RateLimitManager, key: str, limit: int, period: timedelta, concurrency: int | None,
+    burst: int | None, replacing: int | None,
 ) -> RateLimit:
     """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``.
 
@@ -54,8 +49,7 @@ def set_policy(
     return policy
 
 
-def delete_policies(
-    manager: RateLimitManager, key: str, period: timedelta | None = None) -> int:
+def delete_policies(manager: RateLimitManager, key: str, period: timedelta | None = None) -> int:
     """Delete the policies of ``key`` (only the one of ``period`` if given); return how many.
 
     Locked and woken as ``set_policy`` is: a start of the key reads the policies under its
@@ -73,8 +67,7 @@ def delete_policies(
     return deleted
 
 
-def carry_buckets(
-    manager: RateLimitManager, old: RateLimit | None, new: RateLimit, now: datetime) -> None:
+def carry_buckets(manager: RateLimitManager, old: RateLimit | None, new: RateLimit, now: datetime) -> None:
     """Carry the units a key's bucket still owes into the edited policy (a new shape starts afresh)."""
     buckets = tables.KeyBucket.objects.using(manager.db).filter(period=new.period)
     if is_pattern(new.key):
@@ -92,8 +85,7 @@ def carry_buckets(
         tables.KeyBucket.objects.using(manager.db).filter(id=bucket.id).update(tat_us=to_us(tat))
 
 
-def pause_key(
-    manager: RateLimitManager, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
+def pause_key(manager: RateLimitManager, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
     """Pause a key (or every key a pattern matches) for a duration from now."""
     validate_policy_key(key)
     if duration <= timedelta(0):
@@ -104,8 +96,7 @@ def pause_key(
     return until
 
 
-def resume_key(
-    manager: RateLimitManager, key: str) -> int:
+def resume_key(manager: RateLimitManager, key: str) -> int:
     """Lift the pause of a key (or pattern); return how many pauses were lifted."""
     with_pause = tables.KeyState.objects.using(manager.db).filter(key=key, paused_until__isnull=False)
     lifted = with_pause.update(paused_until=None, pause_reason="")
@@ -118,12 +109,10 @@ def seed_from_settings(manager: RateLimitManager) -> int:
     count = 0
     for entry in dispatcher_settings.RATE_LIMITS:
         try:
-            set_policy(manager,
-                entry["key"],
-                int(entry["limit"]),
-                parse_positive_duration(entry["period"]),
+            set_policy(
+                manager, entry["key"], int(entry["limit"]), parse_positive_duration(entry["period"]),
                 int(entry["concurrency"]) if entry.get("concurrency") else None,
-                burst=int(entry["burst"]) if entry.get("burst") is not None else None,
+                int(entry["burst"]) if entry.get("burst") is not None else None, None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ImproperlyConfigured(f"DISPATCHER_RATE_LIMITS entry {entry!r}: {exc}") from exc
