@@ -278,3 +278,18 @@ class KeyBucket(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} per {self.period}"
+
+
+class FairShare(models.Model):
+    """How much of the keys it shares a key set has been given: its turn among the key sets it competes with."""
+
+    key_set = models.TextField(unique=True)
+    served = models.FloatField(default=0, help_text="Units claimed for the key set while it competed, over its weight.")
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "dispatcher_fairshare"
+        indexes = [models.Index(fields=["updated_at"], name="dispatcher_fairshare_upd_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.key_set}: {self.served:g}"

@@ -13,9 +13,19 @@ from typing import TYPE_CHECKING, Any
 from django.apps import apps
 
 if TYPE_CHECKING:
-    from dispatcher.models import Attempt, CallQueue, Heartbeat, KeyBucket, KeyState, LearntLimit, RateLimit, StartLog
+    from dispatcher.models import (
+        Attempt,
+        CallQueue,
+        FairShare,
+        Heartbeat,
+        KeyBucket,
+        KeyState,
+        LearntLimit,
+        RateLimit,
+        StartLog,
+    )
 
-__all__ = ["Attempt", "CallQueue", "Heartbeat", "KeyBucket", "StartLog", "KeyState", "LearntLimit", "RateLimit"]
+__all__ = ["Attempt", "CallQueue", "FairShare", "Heartbeat", "KeyBucket", "KeyState", "LearntLimit", "RateLimit", "StartLog"]
 
 
 def __getattr__(name: str) -> Any:

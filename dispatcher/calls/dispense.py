@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import connections, transaction
 from django.db.models import F
 
+from dispatcher.calls import shares
 from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
@@ -66,9 +68,11 @@ def claim_batch(
 ) -> BatchClaim:
     """Claim up to ``budget`` due calls across key sets, sharing it in rounds, in one transaction.
 
-    Each round asks every key set still in play for an equal share of what is left (no more
-    than its keys have room for) in one statement; a key set that fills its share may take
-    more in the next round, so one backlog cannot crowd out a key that has room.
+    Each round asks every key set still in play, the least served first, for an equal share of
+    what is left (no more than its keys have room for) in one statement, then admits the calls it
+    found one at a time in fair turns (``shares``): key sets that compete for a key's room take
+    it in turn, whatever order they sent in. A key set that fills its share may take more in the
+    next round, so one backlog cannot crowd out a key that has room.
     """
     result = BatchClaim([], {})
     parsed: dict[str, list[str]] = {}
@@ -98,6 +102,13 @@ def claim_batch(
             result.verdicts[text] = verdict
             if not verdict.blocked:
                 active.append(text)
+        # Turns matter only among key sets that share a key; the others are read and written never.
+        sharing = Counter(key for text in active for key in parsed[text])
+        competing = [text for text in active if any(sharing[key] > 1 for key in parsed[text])]
+        turns, recent = shares.load(competing, now, manager.db)
+        turns.update(dict.fromkeys((text for text in active if text not in turns), 0.0))
+        active.sort(key=lambda text: (turns[text], text))
+        given: set[str] = set()
         reserved: dict[str, int] = {}
         reserved_units: dict[str, int] = {}
         # Key sets whose next call costs more than their keys have room for; its cost per key.
@@ -116,34 +127,43 @@ def claim_batch(
                 break
             rows = _claim_rows(manager, asks, now)
             got: dict[str, int] = {}
-            kept, returned = [], []
-            # Each key set's calls in the order its scan chose them; a call that does not fit
-            # its keys' room (its cost) ends the key set's share, so no cheaper call jumps it.
-            for row in sorted(rows, key=lambda r: (r.key_set, -r.priority, r.id)):
-                keys = parsed[row.key_set]
-                problem = unreadable_cost(row.cost, keys)
+            # Each key set's calls in the order its scan chose them.
+            candidates: dict[str, list[Claimed]] = {text: [] for text in asks}
+            for row in sorted(rows, key=lambda r: (-r.priority, r.id)):
+                problem = unreadable_cost(row.cost, parsed[row.key_set])
                 if problem:
                     fail_unreadable(manager, manager.filter(id=row.id), problem)
                     continue
+                candidates[row.key_set].append(row)
+
+            def admit(row: Claimed, got: dict[str, int] = got) -> bool:
+                """Count the call on its keys if it fits their room; a call that does not fit (its
+                cost) ends its key set's turns, so no cheaper call of it jumps it."""
+                keys = parsed[row.key_set]
                 if row.key_set in walled or any(
                     row.units(key) > room[key] and (key in reserved or row.units(key) > alone[key]) for key in keys
                 ):
                     walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
-                    returned.append(row.id)
-                    continue
-                kept.append(row)
+                    return False
                 got[row.key_set] = got.get(row.key_set, 0) + 1
                 for key in keys:
                     room[key] -= row.units(key)
                     reserved[key] = reserved.get(key, 0) + 1
                     reserved_units[key] = reserved_units.get(key, 0) + row.units(key)
-            if returned:
-                manager.filter(id__in=returned).update(status=Status.PENDING, dispatched_at=None)
+                return True
+
+            kept, unfit = shares.interleave(
+                candidates, turns, lambda row: max((row.units(key) for key in parsed[row.key_set]), default=1), admit
+            )
+            given.update(row.key_set for row in kept)
+            if unfit:
+                manager.filter(id__in=[row.id for row in unfit]).update(status=Status.PENDING, dispatched_at=None)
             result.calls.extend(kept)
             budget -= len(kept)
             # Only a key set that filled its share may have more waiting.
             active = [text for text, wanted in asks.items() if got.get(text, 0) == wanted and text not in walled]
         ledger.adjust_reserved(reserved, reserved_units, using=manager.db)
+        shares.save({text: turns[text] for text in competing if text in given or text not in recent}, now, manager.db)
         # A key set whose keys this pass filled (or whose next call's cost does not fit)
         # waits for room like one found blocked.
         filled = sorted({key for key in reserved if room[key] <= 0} | {k for c in walled.values() for k in c})

@@ -11,6 +11,7 @@ from django.db import models, transaction
 from django.db.models import F, Q
 
 from dispatcher import tables
+from dispatcher.calls import shares
 from dispatcher.calls.rows import attempts, fail_unreadable
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
@@ -164,6 +165,7 @@ def prune(
         if progress is not None:
             progress(deleted, total)
     ledger.prune_starts(using=manager.db)
+    shares.forget_stale(db_now(manager.db) - shares.STALE_AFTER, manager.db)
     return deleted
 
 
