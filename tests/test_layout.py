@@ -99,7 +99,8 @@ def test_no_import_is_hidden_in_a_function_but_the_listed_ones():
 
 @pytest.mark.parametrize("module", [
     "models", "managers", "calls.rows", "calls.send", "calls.dispense", "calls.start", "calls.finish", "calls.sweep",
-    "limits.edit", "limits.catalog", "limits.gate", "limits.ledger", "limits.locks", "sql", "inserts", "clock",
+    "calls.shares", "limits.edit", "limits.catalog", "limits.gate", "limits.ledger", "limits.locks", "store.schema",
+    "store.limit_sql", "store.call_sql", "store.inserts", "store.folded", "clock",
     "learning",
 ])
 def test_the_models_and_the_modules_below_them_import_no_model_module(module):
