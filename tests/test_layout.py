@@ -3,6 +3,7 @@ dodge one, and every hand-written statement run on its manager's database alias.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ FUNCTION_LOCAL_IMPORTS = {
 }
 
 
+@functools.cache
 def _modules() -> dict[str, ast.Module]:
     modules = {}
     for path in APP.rglob("*.py"):
