@@ -511,7 +511,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         for text, wanted in asks.items():
             rows = list(
                 self.filter(status=Status.PENDING, key_set=text, run_at__lte=now)
-                .order_by("-priority", "id")
+                .order_by("-priority", "run_at", "id")
                 .select_for_update(skip_locked=True)
                 .values_list("id", "dispatch_no", "queue", "priority", "cost")[:wanted]
             )

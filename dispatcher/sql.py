@@ -353,7 +353,7 @@ def claim_due() -> str:
             CROSS JOIN LATERAL (
                 SELECT {c('id')} AS id FROM {call}
                 WHERE {c('status')} = %(pending)s AND {c('key_set')} = ask.key_set AND {c('run_at')} <= %(now)s
-                ORDER BY {c('priority')} DESC, {c('id')}
+                ORDER BY {c('priority')} DESC, {c('run_at')}, {c('id')}
                 LIMIT ask.wanted
                 FOR UPDATE SKIP LOCKED
             ) AS due
