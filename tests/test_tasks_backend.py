@@ -18,15 +18,10 @@ from tests.testapp.tasks import add, add_later, fail, fetch_account
 
 try:
     from django.tasks import TaskResultStatus, default_task_backend
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.exceptions import TaskResultDoesNotExist
 except ImportError:  # Django 5.2: the backport
     from django_tasks import TaskResultStatus, default_task_backend
     from django_tasks.exceptions import TaskResultDoesNotExist
-
-    try:
-        from django_tasks.exceptions import InvalidTask
-    except ImportError:
-        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,17 +81,6 @@ def test_a_task_call_cannot_be_stored_by_send():
     assert not CallQueue.objects.exists()
 
 
-def test_a_task_that_takes_a_context_is_refused_at_definition():
-    from dispatcher.backends import Task
-
-    def needs_context(context, x):  # pragma: no cover - never runs
-        return x
-
-    needs_context.__qualname__ = "needs_context"  # a module-level function, as the framework requires
-    with pytest.raises(InvalidTask, match="TaskContext"):
-        Task(func=needs_context, takes_context=True)
-
-
 def test_keys_from_options_bind_the_policy():
     RateLimit.objects.set_policy("partner:acme", 2, timedelta(minutes=1))
     results = [fetch_account.enqueue("http://127.0.0.1:9/", "acme", page=n) for n in range(3)]
@@ -145,13 +129,15 @@ def test_get_result_of_an_unknown_id_raises():
             default_task_backend.get_result(result_id)
 
 
-def test_exception_path_reads_the_module_from_the_traceback():
+def test_exception_path_is_the_class_the_worker_recorded_or_exception():
     from dispatcher.backends import exception_path
 
-    trace = "Traceback (most recent call last):\n  File \"x.py\", line 1\napp.errors.Boom: it broke\n"
-    assert exception_path("Boom: it broke", trace) == "app.errors.Boom"
-    assert exception_path("ValueError: bad", "Traceback...\nValueError: bad\n") == "builtins.ValueError"
-    assert exception_path("", "") == "builtins.Exception"
+    assert exception_path("tests.testapp.tasks.QuotaGone: it broke") == "tests.testapp.tasks.QuotaGone"
+    assert exception_path("ValueError: bad") == "builtins.ValueError"
+    assert exception_path("SystemExit: ") == "builtins.SystemExit"
+    # Nothing importable as an exception class: a row from before paths were recorded, or no class at all.
+    for error in ("Boom: it broke", "lost: no result", "unreadable row: x", "", "os.path: not a class", "a b: c"):
+        assert exception_path(error) == "builtins.Exception", error
 
 
 @pytest.mark.postgres
