@@ -1,0 +1,70 @@
+"""The Django Tasks contract with real Celery workers: what a task's run records and signals, under
+the prefork and threads pools, read back by this process."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from dispatcher.models import CallQueue
+from support.processes import wait_until
+from tests.testapp import tasks
+
+try:
+    from django.tasks import TaskResultStatus
+except ImportError:  # Django 5.2: the backport
+    from django_tasks import TaskResultStatus
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
+def test_a_worker_runs_tasks_as_the_framework_does(procs, tmp_path, pool):
+    log = tmp_path / "signals.jsonl"
+    ok = tasks.add.enqueue(2, 3)
+    later = tasks.add_later.enqueue(4, 5)
+    own = tasks.own_id.enqueue()
+    seen = tasks.context_seen.enqueue()
+    failures = {
+        "LookupError": (tasks.fail.enqueue("no such account"), LookupError, "LookupError: no such account\n"),
+        "QuotaGone": (tasks.raise_own_error.enqueue("acme"), tasks.QuotaGone, "QuotaGone: no quota left for acme\n"),
+        "SystemExit": (tasks.raise_system_exit.enqueue(), SystemExit, "SystemExit: the task asked to exit\n"),
+        "exit()": (tasks.call_exit.enqueue(), SystemExit, "SystemExit: 3\n"),
+        "KeyboardInterrupt": (
+            tasks.raise_keyboard_interrupt.enqueue(), KeyboardInterrupt, "KeyboardInterrupt: the task was interrupted\n",
+        ),
+    }
+    procs.worker(procs.queue, concurrency=2, pool=pool, extra_env={"TEST_TASK_SIGNALS": str(log)})
+    procs.dispenser()
+    finished = wait_until(lambda: not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists(), 60, 0.3)
+    assert finished, procs.logs()
+    assert procs.exited() == [], procs.logs()  # no task stopped the worker
+
+    for result, value in ((ok, 5), (later, 9)):
+        result.refresh()
+        assert (result.status, result.return_value, result.attempts) == (TaskResultStatus.SUCCESSFUL, value, 1)
+        (worker,) = result.worker_ids
+        assert worker.rsplit(":", 1)[1] != str(os.getpid())
+        assert result.enqueued_at <= result.started_at <= result.finished_at
+    assert tasks.own_id.get_result(own.id).return_value == own.id
+    context = tasks.context_seen.get_result(seen.id).return_value
+    assert (context["attempt"], context["id"], context["status"], context["started"]) == (1, seen.id, "RUNNING", True)
+    for name, (result, kind, ending) in failures.items():
+        result.refresh()
+        assert result.status == TaskResultStatus.FAILED, name
+        (error,) = result.errors
+        assert error.exception_class is kind, name
+        assert error.traceback.endswith(ending), (name, error.traceback)
+
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    by_id: dict[str, list[tuple[str, str]]] = {}
+    for line in lines:
+        assert line["sender"] == "DispatcherBackend"
+        by_id.setdefault(line["id"], []).append((line["signal"], line["status"]))
+    for result in (ok, later, own, seen):
+        assert by_id[result.id] == [("started", "RUNNING"), ("finished", "SUCCESSFUL")]
+    for name, (result, kind, _) in failures.items():
+        assert by_id[result.id] == [("started", "RUNNING"), ("finished", "FAILED")], name
+        (failed,) = [line for line in lines if line["id"] == result.id and line["signal"] == "finished"]
+        assert failed["errors"] == [f"{kind.__module__}.{kind.__qualname__}"]
