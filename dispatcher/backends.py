@@ -185,7 +185,9 @@ class DispatcherBackend(BaseTaskBackend):
             task = stored_task(call.params, call.priority)
         except (ImportError, PermanentError) as exc:
             raise TaskResultDoesNotExist(f"{result_id}: {exc}") from None
-        return self._result(call, task, list(call.attempt_set.all()))
+        # A call never started has no attempt to read: one query for a READY task.
+        attempts = list(call.attempt_set.all()) if call.attempts or call.deferrals else []
+        return self._result(call, task, attempts)
 
     def _result(self, call: CallQueue, task: Task, attempts: list[Attempt]) -> TaskResult:
         status, errors = _status_and_errors(call, attempts)

@@ -407,3 +407,28 @@ def test_attempts_record_the_exception_class_path():
     run_due()
     (attempt,) = Attempt.objects.all()
     assert attempt.error == "tests.testapp.tasks.QuotaGone: no quota left for acme"
+
+
+def test_enqueue_and_reading_a_ready_task_take_one_query_each(django_assert_num_queries):
+    with django_assert_num_queries(1):
+        result = tasks.noop.enqueue(1)
+    with django_assert_num_queries(1):
+        assert tasks.noop.get_result(result.id) == result
+    run_due()
+    with django_assert_num_queries(2):  # the call, then its attempts
+        result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+
+
+def test_reading_a_result_through_another_task_is_refused():
+    result = tasks.add_later.enqueue(1, 2)
+    with pytest.raises(Exception, match="Task does not match") as refused:
+        tasks.add.get_result(result.id)
+    assert type(refused.value).__name__ == "TaskResultMismatch"
+
+
+def test_a_positional_tuple_of_arguments_reads_back_as_a_list():
+    result = default_task_backend.enqueue(tasks.add, (1, 2), {})
+    assert result.args == [1, 2] and tasks.add.get_result(result.id) == result
+    with pytest.raises(TypeError, match="Unsupported type: <class 'datetime.datetime'>"):
+        tasks.noop.enqueue(datetime.now(UTC))

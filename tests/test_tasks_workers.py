@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+from datetime import UTC, datetime
 
 import pytest
 
@@ -68,3 +70,22 @@ def test_a_worker_runs_tasks_as_the_framework_does(procs, tmp_path, pool):
         assert by_id[result.id] == [("started", "RUNNING"), ("finished", "FAILED")], name
         (failed,) = [line for line in lines if line["id"] == result.id and line["signal"] == "finished"]
         assert failed["errors"] == [f"{kind.__module__}.{kind.__qualname__}"]
+
+
+def test_a_task_whose_worker_was_killed_reads_lost_after_the_rescue(procs):
+    from dispatcher.backends import TaskLost
+
+    result = tasks.sleep_for.enqueue(120)
+    worker = procs.worker(procs.queue, concurrency=1)
+    procs.dispenser()
+    assert wait_until(lambda: tasks.sleep_for.get_result(result.id).status == TaskResultStatus.RUNNING, 60, 0.2), procs.logs()
+    procs.stop(worker, signal.SIGKILL)
+    running = tasks.sleep_for.get_result(result.id)
+    assert running.status == TaskResultStatus.RUNNING and len(running.worker_ids) == 1
+    # Past DISPATCHER_RUN_TIMEOUT: the rescue sweep finds it.
+    CallQueue.objects.filter(pk=int(result.id)).update(started_at=datetime(2000, 1, 1, tzinfo=UTC))
+    assert CallQueue.objects.rescue().failed == 1
+    result.refresh()
+    assert (result.status, result.worker_ids) == (TaskResultStatus.FAILED, running.worker_ids)
+    (error,) = result.errors
+    assert error.exception_class is TaskLost and error.exception_class_path == "dispatcher.backends.TaskLost"

@@ -1,6 +1,7 @@
 """Django Tasks used by the tests of dispatcher.backends."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -92,3 +93,8 @@ class QuotaGone(Exception):
 @task
 def raise_own_error(account: str) -> None:
     raise QuotaGone(f"no quota left for {account}")
+
+
+@task
+def sleep_for(seconds: float) -> None:
+    time.sleep(seconds)
