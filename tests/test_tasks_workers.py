@@ -89,3 +89,20 @@ def test_a_task_whose_worker_was_killed_reads_lost_after_the_rescue(procs):
     assert (result.status, result.worker_ids) == (TaskResultStatus.FAILED, running.worker_ids)
     (error,) = result.errors
     assert error.exception_class is TaskLost and error.exception_class_path == "dispatcher.backends.TaskLost"
+
+
+def test_a_task_on_another_queue_waits_for_a_worker_of_that_queue(procs):
+    other_queue = f"{procs.queue}-other"
+    plain = tasks.add.enqueue(1, 2)
+    queued = tasks.add.using(queue_name="tasks-other").enqueue(3, 4)
+    CallQueue.objects.filter(pk=int(queued.id)).update(queue=other_queue)  # this run's own name for it
+    procs.worker(procs.queue, concurrency=1)
+    procs.dispenser()
+    assert wait_until(lambda: tasks.add.get_result(plain.id).status == TaskResultStatus.SUCCESSFUL, 60, 0.2), procs.logs()
+    assert tasks.add.get_result(queued.id).status == TaskResultStatus.READY
+    procs.worker(other_queue, concurrency=1)
+    assert wait_until(lambda: tasks.add.get_result(queued.id).status == TaskResultStatus.SUCCESSFUL, 60, 0.2), procs.logs()
+    done = [tasks.add.get_result(r.id) for r in (plain, queued)]
+    assert [r.return_value for r in done] == [3, 7]
+    assert done[0].worker_ids != done[1].worker_ids  # each queue's own worker
+    assert done[1].task.queue_name == "tasks-other"
