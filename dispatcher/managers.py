@@ -934,17 +934,17 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True
     ) -> bool:
         """Record a failed attempt: retry with backoff while attempts remain, else fail."""
-        error = error[:MAX_ERROR_CHARS]
+        error = error[:MAX_ERROR_CHARS]  # a traceback keeps its end instead: the line naming the exception
         if permanent or call.attempts >= call.max_attempts:
             return self._finish(
                 call, attempt, Outcome.FAILED if permanent else Outcome.ERROR, error, wake=wake,
-                status=Status.FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
+                status=Status.FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[-MAX_ERROR_CHARS:],
             )
         delay = RetryPolicy.from_settings().delay(call.attempts)
         return self._finish(
             call, attempt, Outcome.ERROR, error, wake=wake,
             status=Status.PENDING, run_at=lambda now: now + delay, dispatched_at=None,
-            last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
+            last_error=error, last_traceback=tb[-MAX_ERROR_CHARS:],
         )
 
     def finish_rate_limited(

@@ -432,3 +432,12 @@ def test_a_positional_tuple_of_arguments_reads_back_as_a_list():
     assert result.args == [1, 2] and tasks.add.get_result(result.id) == result
     with pytest.raises(TypeError, match="Unsupported type: <class 'datetime.datetime'>"):
         tasks.noop.enqueue(datetime.now(UTC))
+
+
+def test_a_long_traceback_keeps_its_end_naming_the_exception():
+    result = tasks.raise_chained.enqueue(80)
+    run_due()
+    result.refresh()
+    (error,) = result.errors
+    assert error.exception_class is ValueError and error.traceback.endswith("ValueError: link 80\n")
+    assert "ValueError: link 1\n" not in error.traceback  # the oldest causes are cut

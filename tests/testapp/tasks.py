@@ -98,3 +98,14 @@ def raise_own_error(account: str) -> None:
 @task
 def sleep_for(seconds: float) -> None:
     time.sleep(seconds)
+
+
+@task
+def raise_chained(links: int) -> None:
+    """Raise a ValueError at the end of a long chain of causes (a traceback longer than is stored)."""
+    try:
+        if links > 1:
+            raise_chained.call(links - 1)
+        raise ValueError("link 1")
+    except ValueError as exc:
+        raise ValueError(f"link {links}") from exc
