@@ -42,6 +42,7 @@ def test_a_worker_runs_tasks_as_the_framework_does(procs, tmp_path, pool):
     finished = wait_until(lambda: not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists(), 60, 0.3)
     assert finished, procs.logs()
     assert procs.exited() == [], procs.logs()  # no task stopped the worker
+    assert "WorkerLostError" not in procs.logs()  # nor, under prefork, its pool process
 
     for result, value in ((ok, 5), (later, 9)):
         result.refresh()
