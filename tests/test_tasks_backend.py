@@ -1,9 +1,13 @@
 """Django Tasks on dispatcher.backends: @task functions become paced calls, read back by get_result()."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
+import django
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import transaction
@@ -13,7 +17,7 @@ from dispatcher.limiter import Policies
 from dispatcher.models import CallQueue, KeyStart, RateLimit
 from dispatcher.worker import execute
 from support.fakeapi import max_in_window
-from support.processes import wait_until
+from support.processes import ROOT, wait_until
 from tests.testapp.tasks import add, add_later, fail, fetch_account
 
 try:
@@ -187,3 +191,28 @@ def test_bad_options_are_refused_with_the_setting_named(options):
 
     with pytest.raises(ImproperlyConfigured, match=r"TASKS\['default'\]\['OPTIONS'\]"):
         DispatcherBackend("default", {"OPTIONS": options})
+
+
+@pytest.mark.skipif(django.VERSION >= (6,), reason="Django 6 ships django.tasks")
+def test_the_app_loads_checks_and_runs_calls_without_the_backport():
+    program = (
+        "import sys\n"
+        "sys.modules['django_tasks'] = None  # as if the tasks extra were not installed\n"
+        "import django\n"
+        "django.setup()\n"
+        "from django.core.management import call_command\n"
+        "from dispatcher.registry import get_handler\n"
+        "from dispatcher.exceptions import UnknownMethod\n"
+        "call_command('check')\n"
+        "call_command('makemigrations', 'dispatcher', '--check', '--dry-run', verbosity=0)\n"
+        "get_handler('http')\n"
+        "try:\n"
+        "    get_handler('task')\n"
+        "except UnknownMethod:\n"
+        "    print('no task method')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env["DJANGO_SETTINGS_MODULE"] = "project.settings"
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("no task method")
