@@ -187,14 +187,14 @@ def test_an_exception_inside_an_exception_and_an_unserialisable_value_fail_as_th
     nested.refresh()
     unserialisable.refresh()
     assert nested.errors[0].exception_class is ValueError
-    assert "ValueError(ValueError('the inner one'))" in nested.errors[0].traceback or \
-        'ValueError(ValueError("the inner one"))' in nested.errors[0].traceback or \
-        "the inner one" in nested.errors[0].traceback
+    assert 'raise ValueError(ValueError("the inner one"))' in nested.errors[0].traceback  # the line that raised
+    assert nested.errors[0].traceback.endswith("ValueError: the inner one\n")
     assert unserialisable.status == TaskResultStatus.FAILED
     assert unserialisable.errors[0].exception_class is TypeError
+    assert "Unsupported type" in unserialisable.errors[0].traceback
 
 
-def test_a_handler_that_exits_fails_its_call_and_not_the_worker(make_call):
+def test_a_handler_that_exits_fails_its_call_and_not_the_worker():
     call = CallQueue.objects.send("exits", {})
     run_due()
     call.refresh_from_db()
