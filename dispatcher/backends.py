@@ -45,7 +45,7 @@ try:  # Django >= 6.0 ships the framework (the stubs checked against are Django 
     from django.tasks import DEFAULT_TASK_QUEUE_NAME, Task, TaskResult, TaskResultStatus  # type: ignore[import-untyped]
     from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-untyped]
     from django.tasks.base import TaskContext, TaskError  # type: ignore[import-untyped]
-    from django.tasks.exceptions import TaskResultDoesNotExist  # type: ignore[import-untyped]
+    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist  # type: ignore[import-untyped]
     from django.tasks.signals import task_enqueued, task_finished, task_started  # type: ignore[import-untyped]
     from django.utils.json import normalize_json  # type: ignore[import-untyped]
 except ImportError:  # Django 5.2: the django-tasks backport.
@@ -61,6 +61,10 @@ except ImportError:  # Django 5.2: the django-tasks backport.
             "dispatcher.backends.DispatcherBackend needs Django Tasks: django.tasks (Django 6.0 or later) "
             "or, on Django 5.2, the django-tasks backport (pip install 'django-call-dispatcher[tasks]')"
         ) from exc
+    try:
+        from django_tasks.exceptions import InvalidTask  # type: ignore[attr-defined]  # newer backports only
+    except ImportError:  # the backport's releases up to 0.12 name it InvalidTaskError
+        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
 if TYPE_CHECKING:
     from dispatcher.models import Attempt, CallQueue
@@ -312,7 +316,8 @@ def check_task_params(params: dict[str, Any]) -> None:
 def stored_task(params: Mapping[str, Any], priority: int) -> Task:
     """Return the task a stored call names, with the priority, queue and run_after it was enqueued with.
 
-    Raise ImportError if its path cannot be imported, PermanentError if it names no task.
+    Raise ImportError if its path cannot be imported, PermanentError if it names no task or its
+    backend or queue is no longer configured.
     """
     path = params.get("task")
     try:
@@ -322,10 +327,13 @@ def stored_task(params: Mapping[str, Any], priority: int) -> Task:
     if not isinstance(task, Task):
         raise PermanentError(f"{path!r} is not a Django Tasks task (decorate it with @task)")
     run_after = params.get("run_after")
-    return task.using(
-        priority=priority, queue_name=params.get("queue_name"), backend=params.get("backend"),
-        run_after=datetime.fromisoformat(run_after) if isinstance(run_after, str) else None,
-    )
+    try:
+        return task.using(
+            priority=priority, queue_name=params.get("queue_name"), backend=params.get("backend"),
+            run_after=datetime.fromisoformat(run_after) if isinstance(run_after, str) else None,
+        )
+    except (ImproperlyConfigured, InvalidTask) as exc:  # its backend or queue is no longer configured
+        raise PermanentError(f"task {path!r} cannot run as it was enqueued: {exc}") from exc
 
 
 def run_task(task: str, args: list[Any], kwargs: dict[str, Any], **params: Any) -> Any:

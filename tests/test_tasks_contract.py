@@ -441,3 +441,15 @@ def test_a_long_traceback_keeps_its_end_naming_the_exception():
     (error,) = result.errors
     assert error.exception_class is ValueError and error.traceback.endswith("ValueError: link 80\n")
     assert "ValueError: link 1\n" not in error.traceback  # the oldest causes are cut
+
+
+@pytest.mark.parametrize("change", [{"backend": "gone"}, {"queue_name": "nowhere"}])
+def test_a_stored_task_whose_backend_or_queue_is_gone_reads_as_missing_and_fails_when_run(change):
+    result = tasks.noop.enqueue()
+    call = CallQueue.objects.get(pk=int(result.id))
+    CallQueue.objects.filter(pk=call.pk).update(params={**call.params, **change})
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result(result.id)
+    run_due()
+    call.refresh_from_db()
+    assert call.status == CallQueue.Status.FAILED and "cannot run as it was enqueued" in call.last_error
