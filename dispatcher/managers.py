@@ -934,7 +934,8 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
         self, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True
     ) -> bool:
         """Record a failed attempt: retry with backoff while attempts remain, else fail."""
-        error = error[:MAX_ERROR_CHARS]  # a traceback keeps its end instead: the line naming the exception
+        # The error's start names the exception's class; a traceback's end does.
+        error = error[:MAX_ERROR_CHARS]
         if permanent or call.attempts >= call.max_attempts:
             return self._finish(
                 call, attempt, Outcome.FAILED if permanent else Outcome.ERROR, error, wake=wake,
