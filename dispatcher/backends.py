@@ -23,7 +23,6 @@ import string
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import datetime
-from inspect import isclass
 from traceback import format_exception
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +68,8 @@ except ImportError:  # Django 5.2: the django-tasks backport.
 if TYPE_CHECKING:
     from dispatcher.models import Attempt, CallQueue
 
-# The built-in handler that runs a task (registered in dispatcher.handlers).
+# The built-in handler that runs a task (registered at the end of this module, which
+# dispatcher.handlers imports where Django Tasks is installed).
 TASK_METHOD = "task"
 TASK_PARAMS = {"task", "backend", "queue_name", "run_after", "args", "kwargs"}
 
@@ -301,7 +301,7 @@ def exception_path(error: str) -> str:
         kind = import_string(path)
     except ImportError:
         return "builtins.Exception"
-    return path if isclass(kind) and issubclass(kind, BaseException) else "builtins.Exception"
+    return path if inspect.isclass(kind) and issubclass(kind, BaseException) else "builtins.Exception"
 
 
 def check_task_params(params: dict[str, Any]) -> None:
