@@ -159,6 +159,7 @@ def test_a_stored_call_whose_path_names_no_task_reads_as_missing_and_fails_when_
     (tasks.raise_system_exit, SystemExit, "SystemExit: the task asked to exit\n"),
     (tasks.raise_keyboard_interrupt, KeyboardInterrupt, "KeyboardInterrupt: the task was interrupted\n"),
     (tasks.call_exit, SystemExit, "SystemExit: 3\n"),
+    (tasks.raise_halt, tasks.Halt, "Halt: halted\n"),
 ])
 def test_a_task_that_raises_fails_with_its_exception_class_and_traceback(task, kind, ending):
     result = task.enqueue(*(["no such account"] if task is tasks.fail else ["acme"] if task is tasks.raise_own_error else []))

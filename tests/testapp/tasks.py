@@ -109,3 +109,12 @@ def raise_chained(links: int) -> None:
         raise ValueError("link 1")
     except ValueError as exc:
         raise ValueError(f"link {links}") from exc
+
+
+class Halt(BaseException):
+    """A task's own BaseException (not an Exception), recorded as any other failure."""
+
+
+@task
+def raise_halt() -> None:
+    raise Halt("halted")
