@@ -10,43 +10,50 @@ read back with ``get_result()``. OPTIONS:
   templates formatted from its arguments (by parameter name, positional ones included);
 - ``max_attempts``: attempts a task gets (default 1: a task that raises is FAILED, as in Django;
   a task that raises ``dispatcher.RateLimited`` waits without spending one).
+
+The worker sends ``task_started`` before the task runs and ``task_finished`` once its outcome is
+final (not before a retry), passes a ``TaskContext`` to a ``takes_context`` task, and records a task
+that raises ``SystemExit`` or ``KeyboardInterrupt`` as FAILED like any other.
 """
 from __future__ import annotations
 
 import contextvars
 import inspect
-import re
 import string
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import datetime
+from traceback import format_exception
 from typing import TYPE_CHECKING, Any
 
+from django.apps import apps
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from dispatcher import tables
-from dispatcher.exceptions import InvalidParams, PermanentError
+from dispatcher import handler, tables
+from dispatcher.exceptions import InvalidParams, PermanentError, RateLimited
 from dispatcher.keys import resolve_keys
+from dispatcher.running import current_call
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
 
 try:  # Django >= 6.0 ships the framework (the stubs checked against are Django 5.2's: no django.tasks).
     from django.tasks import DEFAULT_TASK_QUEUE_NAME, Task, TaskResult, TaskResultStatus  # type: ignore[import-untyped]
     from django.tasks.backends.base import BaseTaskBackend  # type: ignore[import-untyped]
-    from django.tasks.base import TaskError  # type: ignore[import-untyped]
+    from django.tasks.base import TaskContext, TaskError  # type: ignore[import-untyped]
     from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist  # type: ignore[import-untyped]
-    from django.tasks.signals import task_enqueued  # type: ignore[import-untyped]
+    from django.tasks.signals import task_enqueued, task_finished, task_started  # type: ignore[import-untyped]
     from django.utils.json import normalize_json  # type: ignore[import-untyped]
 except ImportError:  # Django 5.2: the django-tasks backport.
     try:
         from django_tasks import DEFAULT_TASK_QUEUE_NAME, TaskResult, TaskResultStatus
         from django_tasks.backends.base import BaseTaskBackend
-        from django_tasks.base import Task, TaskError
+        from django_tasks.base import Task, TaskContext, TaskError
         from django_tasks.exceptions import TaskResultDoesNotExist
-        from django_tasks.signals import task_enqueued
+        from django_tasks.signals import task_enqueued, task_finished, task_started
         from django_tasks.utils import normalize_json
     except ImportError as exc:
         raise ImproperlyConfigured(
@@ -61,9 +68,10 @@ except ImportError:  # Django 5.2: the django-tasks backport.
 if TYPE_CHECKING:
     from dispatcher.models import Attempt, CallQueue
 
-# The built-in handler that runs a task (registered in dispatcher.handlers).
+# The built-in handler that runs a task (registered at the end of this module, which
+# dispatcher.handlers imports where Django Tasks is installed).
 TASK_METHOD = "task"
-TASK_PARAMS = {"task", "backend", "queue_name", "args", "kwargs"}
+TASK_PARAMS = {"task", "backend", "queue_name", "run_after", "args", "kwargs"}
 
 # Set while this backend stores a task's call, so that the ``task`` method cannot be sent any
 # other way (the HTTP API or the admin would otherwise run any task with any arguments).
@@ -76,6 +84,14 @@ class InvalidTaskArguments(InvalidParams, TypeError):
 
 class TaskCancelled(Exception):
     """The task's call was cancelled before it ran; its result shows FAILED with this error."""
+
+
+class TaskLost(Exception):
+    """The worker running the task was lost (killed, or silent past DISPATCHER_RUN_TIMEOUT); the rescue sweep recorded it."""
+
+
+class TaskImportError(PermanentError, ImportError):
+    """The task's dotted path cannot be imported in the worker; the task fails without a retry."""
 
 
 class DispatcherBackend(BaseTaskBackend):
@@ -93,14 +109,15 @@ class DispatcherBackend(BaseTaskBackend):
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ImproperlyConfigured(f"TASKS[{alias!r}]['OPTIONS']['max_attempts'] must be a whole number >= 1")
 
-    def validate_task(self, task: Task) -> None:
-        """Refuse what the framework refuses, and a task that takes a context (not passed yet)."""
-        super().validate_task(task)
-        if task.takes_context:
-            raise InvalidTask("DispatcherBackend does not pass a TaskContext; define the task without takes_context")
-
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
-        """Report OPTIONS["keys"] entries that name no task of this backend, or no argument of it."""
+        """Report the app missing from INSTALLED_APPS, and OPTIONS["keys"] entries that name no task of
+        this backend, or no argument of it."""
+        if not apps.is_installed("dispatcher"):
+            return [checks.Error(
+                f"TASKS[{self.alias!r}] uses dispatcher.backends.DispatcherBackend, but the dispatcher app is not installed",
+                hint="Add 'dispatcher' to INSTALLED_APPS (its tables store the tasks).",
+                id="dispatcher.E100",
+            )]
         messages: list[checks.CheckMessage] = []
         for path, templates in self.keys.items():
             where = f"TASKS[{self.alias!r}]['OPTIONS']['keys'][{path!r}]"
@@ -144,6 +161,8 @@ class DispatcherBackend(BaseTaskBackend):
             "task": task.module_path, "backend": self.alias, "queue_name": task.queue_name,
             "args": args, "kwargs": kwargs,
         }
+        if task.run_after is not None:  # read back as the task's own run_after (the call's run_at moves on a retry)
+            params["run_after"] = task.run_after.isoformat()
         run_at = task.run_after
         if run_at is not None and timezone.is_naive(run_at):  # USE_TZ = False: the project's time zone
             run_at = timezone.make_aware(run_at)
@@ -167,12 +186,12 @@ class DispatcherBackend(BaseTaskBackend):
         except (TypeError, ValueError, tables.CallQueue.DoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
         try:
-            task = import_string(call.params["task"])
-        except (ImportError, KeyError) as exc:
-            raise TaskResultDoesNotExist(f"{result_id}: its task cannot be imported ({exc})") from None
-        if call.params.get("queue_name") not in (None, task.queue_name) or call.priority != task.priority:
-            task = task.using(priority=call.priority, queue_name=call.params.get("queue_name"))
-        return self._result(call, task, list(call.attempt_set.all()))
+            task = stored_task(call.params, call.priority)
+        except (ImportError, PermanentError) as exc:
+            raise TaskResultDoesNotExist(f"{result_id}: {exc}") from None
+        # A call never started has no attempt to read: one query for a READY task.
+        attempts = list(call.attempt_set.all()) if call.attempts or call.deferrals else []
+        return self._result(call, task, attempts)
 
     def _result(self, call: CallQueue, task: Task, attempts: list[Attempt]) -> TaskResult:
         status, errors = _status_and_errors(call, attempts)
@@ -216,16 +235,21 @@ def _json_arguments(task: Task, args: Any, kwargs: Any) -> tuple[list[Any], dict
         return normalize_json(list(args)), normalize_json(dict(kwargs))
     except (TypeError, ValueError) as exc:
         raise InvalidTaskArguments(f"{task.module_path}: arguments must be JSON-serialisable ({exc})") from None
+    except RecursionError:  # a cycle, or nesting deeper than Python's recursion limit
+        raise InvalidTaskArguments(f"{task.module_path}: arguments must be JSON-serialisable (cyclic or too deep)") from None
 
 
 def _named_arguments(task: Task, args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Return the task's arguments by parameter name (defaults included), for its key templates."""
+    context = [None] if task.takes_context else []  # the TaskContext the worker passes first
     try:
-        bound = inspect.signature(task.func).bind(*args, **kwargs)
+        bound = inspect.signature(task.func).bind(*context, *args, **kwargs)
     except TypeError as exc:
         raise InvalidTaskArguments(f"{task.module_path}: {exc}") from None
     bound.apply_defaults()
     named = dict(bound.arguments)
+    if task.takes_context:
+        named.pop(next(iter(bound.signature.parameters)))
     for parameter in bound.signature.parameters.values():
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             named.update(named.pop(parameter.name, {}))
@@ -239,41 +263,45 @@ def _status_and_errors(call: CallQueue, attempts: list[Attempt]) -> tuple[TaskRe
     for attempt in failed:
         last = attempt is failed[-1]
         trace = call.last_traceback if last and call.last_traceback else attempt.error
-        errors.append(TaskError(exception_class_path=exception_path(attempt.error, trace), traceback=trace))
+        path = _LOST if attempt.outcome == Outcome.LOST else exception_path(attempt.error)
+        errors.append(TaskError(exception_class_path=path, traceback=trace))
     status = call.status
     if status == Status.DONE:
         return TaskResultStatus.SUCCESSFUL, errors
     if status == Status.RUNNING:
         return TaskResultStatus.RUNNING, errors
     if status == Status.CANCELLED:
-        path = f"{TaskCancelled.__module__}.{TaskCancelled.__qualname__}"
-        return TaskResultStatus.FAILED, [*errors, TaskError(exception_class_path=path, traceback="cancelled")]
+        return TaskResultStatus.FAILED, [*errors, TaskError(exception_class_path=class_path(TaskCancelled), traceback="cancelled")]
     if status == Status.FAILED:
         if not errors:  # failed without a failed attempt of its own, e.g. too many 429 deferrals
             errors.append(TaskError(
-                exception_class_path=exception_path(call.last_error, call.last_traceback),
-                traceback=call.last_traceback or call.last_error,
+                exception_class_path=exception_path(call.last_error), traceback=call.last_traceback or call.last_error,
             ))
         return TaskResultStatus.FAILED, errors
     return TaskResultStatus.READY, errors  # pending (also waiting for a retry) or dispatched
 
 
-_EXCEPTION_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w.]*)(?::|$)")
+def class_path(kind: type[BaseException]) -> str:
+    """Return an exception class's dotted path, as the framework records it."""
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def exception_path(error: str, trace: str) -> str:
-    """Return the dotted path of the exception an attempt recorded as ``"Name: message"``.
+_LOST = class_path(TaskLost)
 
-    The worker records the class's name; the traceback's closing line names its module too
-    (``app.errors.Boom: ...``; builtins are bare: ``ValueError: ...``).
-    """
+
+def exception_path(error: str) -> str:
+    """Return the class path an attempt's error names (the worker writes ``"app.errors.Boom: message"``
+    from the exception's type, a builtin bare: ``"ValueError: ..."``); ``builtins.Exception`` when
+    it names no exception class (a row written before paths were recorded, an unreadable row)."""
     name = error.partition(":")[0].strip()
-    for line in reversed((trace or "").splitlines()):
-        match = _EXCEPTION_LINE.match(line)
-        if match and name and (match["path"] == name or match["path"].endswith(f".{name}")):
-            path = match["path"]
-            return path if "." in path else f"builtins.{path}"
-    return f"builtins.{name}" if name.isidentifier() else "builtins.Exception"
+    if not name or not all(part.isidentifier() for part in name.split(".")):
+        return "builtins.Exception"
+    path = name if "." in name else f"builtins.{name}"
+    try:
+        kind = import_string(path)
+    except ImportError:
+        return "builtins.Exception"
+    return path if inspect.isclass(kind) and issubclass(kind, BaseException) else "builtins.Exception"
 
 
 def check_task_params(params: dict[str, Any]) -> None:
@@ -285,12 +313,61 @@ def check_task_params(params: dict[str, Any]) -> None:
         raise InvalidParams(f"task: params must be {', '.join(sorted(TASK_PARAMS))}")
 
 
-def run_task(task: str, args: list[Any], kwargs: dict[str, Any], **params: Any) -> Any:
-    """Run the task named by its dotted path (in a worker); return its JSON-normalised value."""
+def stored_task(params: Mapping[str, Any], priority: int) -> Task:
+    """Return the task a stored call names, with the priority, queue and run_after it was enqueued with.
+
+    Raise ImportError if its path cannot be imported, PermanentError if it names no task or its
+    backend or queue is no longer configured.
+    """
+    path = params.get("task")
     try:
-        obj = import_string(task)
+        task = import_string(path) if isinstance(path, str) else None
     except ImportError as exc:
-        raise PermanentError(f"task {task!r} cannot be imported: {exc}") from None
-    if not isinstance(obj, Task):
-        raise PermanentError(f"{task!r} is not a Django Tasks task (decorate it with @task)")
-    return normalize_json(obj.call(*args, **kwargs))
+        raise TaskImportError(f"task {path!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(task, Task):
+        raise PermanentError(f"{path!r} is not a Django Tasks task (decorate it with @task)")
+    run_after = params.get("run_after")
+    try:
+        return task.using(
+            priority=priority, queue_name=params.get("queue_name"), backend=params.get("backend"),
+            run_after=datetime.fromisoformat(run_after) if isinstance(run_after, str) else None,
+        )
+    except (ImproperlyConfigured, InvalidTask) as exc:  # its backend or queue is no longer configured
+        raise PermanentError(f"task {path!r} cannot run as it was enqueued: {exc}") from exc
+
+
+def run_task(task: str, args: list[Any], kwargs: dict[str, Any], **params: Any) -> Any:
+    """Run a stored task in a worker, as the framework runs one; return its JSON-normalised value.
+
+    ``task_started`` goes out before it runs and ``task_finished`` once its outcome is final; a task
+    that takes a context gets a ``TaskContext`` (its result, the attempt).
+    """
+    call = current_call()
+    if call is None:  # run outside a worker's start (no result to report): the task alone
+        return normalize_json(stored_task({"task": task, **params}, 0).call(*args, **kwargs))
+    obj = stored_task({"task": task, **params}, call.priority)
+    backend = obj.get_backend()
+    result = backend._result(call, obj, list(call.attempt_set.all()))
+    task_started.send(type(backend), task_result=result)
+    try:
+        if obj.takes_context:
+            value = normalize_json(obj.call(TaskContext(task_result=result), *args, **kwargs))
+        else:
+            value = normalize_json(obj.call(*args, **kwargs))
+    except BaseException as exc:
+        retried = isinstance(exc, Exception) and not isinstance(exc, PermanentError) and call.attempts < call.max_attempts
+        if not retried and not isinstance(exc, RateLimited):
+            error = TaskError(exception_class_path=class_path(type(exc)), traceback="".join(format_exception(exc)))
+            failed = replace(result, status=TaskResultStatus.FAILED, finished_at=timezone.now(), errors=[*result.errors, error])
+            task_finished.send(type(backend), task_result=failed)  # in the except block, as Django's log reads it
+        raise
+    finished = replace(result, status=TaskResultStatus.SUCCESSFUL, finished_at=timezone.now())
+    object.__setattr__(finished, "_return_value", value)
+    task_finished.send(type(backend), task_result=finished)
+    return value
+
+
+@handler(TASK_METHOD, validator=check_task_params)
+def run_stored_task(**params: Any) -> Any:
+    """Run a Django Tasks task stored by DispatcherBackend (the built-in ``task`` method)."""
+    return run_task(**params)

@@ -12,14 +12,19 @@ from urllib.parse import SplitResult, urlsplit
 import httpx
 import idna
 from django.conf import settings as django_settings
+from django.core.exceptions import ImproperlyConfigured
 from django.http.request import validate_host
 
 from dispatcher import PermanentError, RateLimited, arrivals, handler, httpclient, learning, ratelimit_headers
-from dispatcher.backends import check_task_params, run_task
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
 from dispatcher.httpclient import get_client, read_body
 from dispatcher.redact import REDACTED, SECRET_NAME
+
+try:  # registers the ``task`` method; a site without Django Tasks (Django 5.2, no backport) has none
+    from dispatcher import backends  # noqa: F401
+except ImproperlyConfigured:
+    pass
 
 HTTP_METHODS = {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"}
 HTTP_PARAMS = {"method", "url", "headers", "json", "data", "timeout"}
@@ -347,13 +352,3 @@ def http(**params: Any) -> dict[str, Any]:
     if truncated or cut:
         result["truncated"] = True
     return result
-
-
-def _validate_task(params: dict[str, Any]) -> None:
-    check_task_params(params)
-
-
-@handler("task", validator=_validate_task)
-def task(**params: Any) -> Any:
-    """Run a Django Tasks task stored by dispatcher.backends.DispatcherBackend."""
-    return run_task(**params)

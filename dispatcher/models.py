@@ -60,9 +60,10 @@ class CallQueue(models.Model):
         db_table = "dispatcher_call"
         verbose_name = "call"
         indexes = [
-            # The dispenser's scan: waiting calls of one key set, most urgent first.
+            # The dispenser's scan: waiting calls of one key set, most urgent first (then the
+            # earliest due, as Django Tasks takes equal priorities by run_after).
             models.Index(
-                fields=["key_set", "-priority", "id"],
+                fields=["key_set", "-priority", "run_at", "id"],
                 condition=Q(status=CallStatus.PENDING),
                 name="dispatcher_call_waiting_idx",
             ),

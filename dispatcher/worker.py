@@ -28,6 +28,7 @@ from dispatcher.learning import running_call
 from dispatcher.limits import ledger
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.registry import get_handler
+from dispatcher.running import running
 from dispatcher.states import AttemptOutcome
 from dispatcher.validation import bounded_seconds, check_json
 
@@ -168,7 +169,7 @@ def _call_handler(call: Any) -> Outcome:
     """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
-        with running_call(call.keys, call.started_at):  # what an API's rate-limit signals apply to
+        with running_call(call.keys, call.started_at), running(call):  # what an API's rate-limit signals apply to
             arrivals.mark_invoked()
             result = fn(**call.params)
     except RateLimited as exc:
@@ -177,7 +178,15 @@ def _call_handler(call: Any) -> Outcome:
         return Outcome(AttemptOutcome.FAILED, error=exc, traceback=traceback.format_exc())
     except Exception as exc:
         return Outcome(AttemptOutcome.ERROR, error=exc, traceback=traceback.format_exc())
+    except BaseException as exc:  # SystemExit (exit()), KeyboardInterrupt: this call failed, the worker lives on
+        return Outcome(AttemptOutcome.FAILED, error=exc, traceback=traceback.format_exc())
     return Outcome(AttemptOutcome.DONE, result=_jsonable(result))
+
+
+def _class_path(exc: BaseException | None) -> str:
+    """Return the dotted path of an exception's class, bare for a builtin (``ValueError``)."""
+    kind = type(exc)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> str:
@@ -192,7 +201,7 @@ def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> 
         return str(AttemptOutcome.RATE_LIMITED)
     if outcome.kind in (AttemptOutcome.FAILED, AttemptOutcome.ERROR):
         _record(
-            CallQueue.objects.finish_error, call, attempt, f"{type(exc).__name__}: {exc}", outcome.traceback,
+            CallQueue.objects.finish_error, call, attempt, f"{_class_path(exc)}: {exc}", outcome.traceback,
             permanent=outcome.kind == AttemptOutcome.FAILED, wake=capped,
         )
         if outcome.kind == AttemptOutcome.FAILED:

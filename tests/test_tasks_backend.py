@@ -1,9 +1,13 @@
 """Django Tasks on dispatcher.backends: @task functions become paced calls, read back by get_result()."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
+import django
 import pytest
 from asgiref.sync import async_to_sync
 from django.db import transaction
@@ -12,21 +16,16 @@ from dispatcher.exceptions import InvalidCall
 from dispatcher.models import CallQueue, RateLimit, StartLog
 from dispatcher.worker import execute
 from support.fakeapi import max_in_window
-from support.processes import wait_until
+from support.processes import ROOT, wait_until
 from tests.claims import claim
 from tests.testapp.tasks import add, add_later, fail, fetch_account
 
 try:
     from django.tasks import TaskResultStatus, default_task_backend
-    from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist
+    from django.tasks.exceptions import TaskResultDoesNotExist
 except ImportError:  # Django 5.2: the backport
     from django_tasks import TaskResultStatus, default_task_backend
     from django_tasks.exceptions import TaskResultDoesNotExist
-
-    try:
-        from django_tasks.exceptions import InvalidTask
-    except ImportError:
-        from django_tasks.exceptions import InvalidTaskError as InvalidTask
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -86,17 +85,6 @@ def test_a_task_call_cannot_be_stored_by_send():
     assert not CallQueue.objects.exists()
 
 
-def test_a_task_that_takes_a_context_is_refused_at_definition():
-    from dispatcher.backends import Task
-
-    def needs_context(context, x):  # pragma: no cover - never runs
-        return x
-
-    needs_context.__qualname__ = "needs_context"  # a module-level function, as the framework requires
-    with pytest.raises(InvalidTask, match="TaskContext"):
-        Task(func=needs_context, takes_context=True)
-
-
 def test_keys_from_options_bind_the_policy():
     RateLimit.objects.set_policy("partner:acme", 2, timedelta(minutes=1))
     results = [fetch_account.enqueue("http://127.0.0.1:9/", "acme", page=n) for n in range(3)]
@@ -145,13 +133,15 @@ def test_get_result_of_an_unknown_id_raises():
             default_task_backend.get_result(result_id)
 
 
-def test_exception_path_reads_the_module_from_the_traceback():
+def test_exception_path_is_the_class_the_worker_recorded_or_exception():
     from dispatcher.backends import exception_path
 
-    trace = "Traceback (most recent call last):\n  File \"x.py\", line 1\napp.errors.Boom: it broke\n"
-    assert exception_path("Boom: it broke", trace) == "app.errors.Boom"
-    assert exception_path("ValueError: bad", "Traceback...\nValueError: bad\n") == "builtins.ValueError"
-    assert exception_path("", "") == "builtins.Exception"
+    assert exception_path("tests.testapp.tasks.QuotaGone: it broke") == "tests.testapp.tasks.QuotaGone"
+    assert exception_path("ValueError: bad") == "builtins.ValueError"
+    assert exception_path("SystemExit: ") == "builtins.SystemExit"
+    # Nothing importable as an exception class: a row from before paths were recorded, or no class at all.
+    for error in ("Boom: it broke", "lost: no result", "unreadable row: x", "", "os.path: not a class", "a b: c"):
+        assert exception_path(error) == "builtins.Exception", error
 
 
 @pytest.mark.postgres
@@ -201,3 +191,28 @@ def test_bad_options_are_refused_with_the_setting_named(options):
 
     with pytest.raises(ImproperlyConfigured, match=r"TASKS\['default'\]\['OPTIONS'\]"):
         DispatcherBackend("default", {"OPTIONS": options})
+
+
+@pytest.mark.skipif(django.VERSION >= (6,), reason="Django 6 ships django.tasks")
+def test_the_app_loads_checks_and_runs_calls_without_the_backport():
+    program = (
+        "import sys\n"
+        "sys.modules['django_tasks'] = None  # as if the tasks extra were not installed\n"
+        "import django\n"
+        "django.setup()\n"
+        "from django.core.management import call_command\n"
+        "from dispatcher.registry import get_handler\n"
+        "from dispatcher.exceptions import UnknownMethod\n"
+        "call_command('check')\n"
+        "call_command('makemigrations', 'dispatcher', '--check', '--dry-run', verbosity=0)\n"
+        "get_handler('http')\n"
+        "try:\n"
+        "    get_handler('task')\n"
+        "except UnknownMethod:\n"
+        "    print('no task method')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    env["DJANGO_SETTINGS_MODULE"] = "project.settings"
+    done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("no task method")

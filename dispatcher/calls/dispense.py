@@ -42,6 +42,8 @@ class Claimed:
     priority: int = 0
     # Units per key when any differs from 1 (the call's ``cost``).
     cost: dict[str, int] | None = None
+    # When it became due: equal priorities are taken earliest first.
+    run_at: datetime | None = None
 
     def units(self, key: str) -> int:
         return (self.cost or {}).get(key, 1)
@@ -61,6 +63,11 @@ def waiting_key_sets(manager: CallQueueManager, after: str | None = None, limit:
     with connections[manager.db].cursor() as cursor:
         cursor.execute(call_sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
         return [row[0] for row in cursor.fetchall()]
+
+
+def _scan_order(call: Claimed) -> tuple[int, datetime | None, int]:
+    """The order a key set's scan takes its due calls in: priority, then earliest due, then oldest."""
+    return (-call.priority, call.run_at, call.id)
 
 
 def claim_batch(
@@ -129,7 +136,7 @@ def claim_batch(
             got: dict[str, int] = {}
             # Each key set's calls in the order its scan chose them.
             candidates: dict[str, list[Claimed]] = {text: [] for text in asks}
-            for row in sorted(rows, key=lambda r: (-r.priority, r.id)):
+            for row in sorted(rows, key=_scan_order):
                 problem = unreadable_cost(row.cost, parsed[row.key_set])
                 if problem:
                     fail_unreadable(manager, manager.filter(id=row.id), problem)
@@ -197,16 +204,17 @@ def _claim_rows_portable(manager: CallQueueManager, asks: dict[str, int], now: d
     for text, wanted in asks.items():
         rows = list(
             manager.filter(status=Status.PENDING, key_set=text, run_at__lte=now)
-            .order_by("-priority", "id")
+            .order_by("-priority", "run_at", "id")
             .select_for_update(skip_locked=True)
-            .values_list("id", "dispatch_no", "queue", "priority", "cost")[:wanted]
+            .values_list("id", "dispatch_no", "queue", "priority", "cost", "run_at")[:wanted]
         )
         if rows:
             manager.filter(id__in=[r[0] for r in rows]).update(
                 status=Status.DISPATCHED, dispatched_at=now, dispatch_no=F("dispatch_no") + 1
             )
         claimed += [
-            Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p, cost=c) for i, n, q, p, c in rows
+            Claimed(id=i, dispatch_no=n + 1, queue=q, key_set=text, priority=p, cost=c, run_at=r)
+            for i, n, q, p, c, r in rows
         ]
     return claimed
 
@@ -220,8 +228,8 @@ def _claim_rows_postgresql(manager: CallQueueManager, asks: dict[str, int], now:
     with connections[manager.db].cursor() as cursor:
         cursor.execute(call_sql.claim_due(), params)
         return [
-            Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c))
-            for i, n, q, k, p, c in cursor.fetchall()
+            Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c), run_at=r)
+            for i, n, q, k, p, c, r in cursor.fetchall()
         ]
 
 

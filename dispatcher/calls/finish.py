@@ -138,17 +138,18 @@ def finish_error(
     manager: CallQueueManager, call: CallQueue, attempt: Attempt, error: str, tb: str, *, permanent: bool, wake: bool = True
 ) -> bool:
     """Record a failed attempt: retry with backoff while attempts remain, else fail."""
+    # The error's start names the exception's class; a traceback's end does.
     error = error[:MAX_ERROR_CHARS]
     if permanent or call.attempts >= call.max_attempts:
         return _finish(manager,
             call, attempt, Outcome.FAILED if permanent else Outcome.ERROR, error, wake=wake,
-            status=Status.FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
+            status=Status.FAILED, finished_at=lambda now: now, last_error=error, last_traceback=tb[-MAX_ERROR_CHARS:],
         )
     delay = RetryPolicy.from_settings().delay(call.attempts)
     return _finish(manager,
         call, attempt, Outcome.ERROR, error, wake=wake,
         status=Status.PENDING, run_at=lambda now: now + delay, dispatched_at=None,
-        last_error=error, last_traceback=tb[:MAX_ERROR_CHARS],
+        last_error=error, last_traceback=tb[-MAX_ERROR_CHARS:],
     )
 
 

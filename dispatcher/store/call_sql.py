@@ -115,7 +115,7 @@ def claim_due() -> str:
     sets = assignments("CallQueue", {
         "status": "%(dispatched)s", "dispatched_at": "%(now)s", "dispatch_no": f"{c('dispatch_no')} + 1",
     })
-    returned = ", ".join(c(name) for name in ("id", "dispatch_no", "queue", "key_set", "priority", "cost"))
+    returned = ", ".join(c(name) for name in ("id", "dispatch_no", "queue", "key_set", "priority", "cost", "run_at"))
     return f"""
         UPDATE {call} SET {sets}
         WHERE {c('id')} IN (
@@ -123,7 +123,7 @@ def claim_due() -> str:
             CROSS JOIN LATERAL (
                 SELECT {c('id')} AS id FROM {call}
                 WHERE {c('status')} = %(pending)s AND {c('key_set')} = ask.key_set AND {c('run_at')} <= %(now)s
-                ORDER BY {c('priority')} DESC, {c('id')}
+                ORDER BY {c('priority')} DESC, {c('run_at')}, {c('id')}
                 LIMIT ask.wanted
                 FOR UPDATE SKIP LOCKED
             ) AS due

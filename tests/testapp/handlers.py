@@ -80,3 +80,9 @@ def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int
     if response.status_code == 429:
         raise RateLimited(float(response.headers.get("retry-after", "1")))
     return {"status": response.status_code}
+
+
+@handler("exits")
+def exits(**params: Any) -> None:
+    """A handler that ends its process, as ``exit(4)`` would."""
+    raise SystemExit(4)
