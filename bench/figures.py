@@ -348,7 +348,7 @@ def limit_size(ctx: Context) -> list[Figure]:
                 backlog(1, keys=["big"])
                 text = CallQueue.objects.pending().values_list("key_set", flat=True).first()
                 t0 = time.perf_counter()
-                (claimed,) = CallQueue.objects.claim(text, 1, Policies.load()).calls
+                (claimed,) = CallQueue.objects.claim_batch([text], 1, Policies.load()).calls
                 t1 = time.perf_counter()
                 started = CallQueue.objects.start(claimed.id, claimed.dispatch_no)
                 t2 = time.perf_counter()
@@ -667,7 +667,7 @@ def worker_cpu(ctx: Context) -> list[Figure]:
         CallQueue.objects.send_many(
             [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["cpu"]} for _ in range(2 * n + 50)]
         )
-        claimed = CallQueue.objects.claim('["cpu"]', 2 * n + 50, Policies.load()).calls
+        claimed = CallQueue.objects.claim_batch(['["cpu"]'], 2 * n + 50, Policies.load()).calls
         check(len(claimed) == 2 * n + 50, f"claimed {len(claimed)} of {2 * n + 50}")
         for call in claimed[:50]:  # warm: connections, the kept policies, the pooled client
             execute(call.id, call.dispatch_no)
@@ -925,7 +925,7 @@ def http_hostile(ctx: Context) -> list[Figure]:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from dispatcher.conf import dispatcher_settings
+    from dispatcher.handlers import MAX_BODY
     from dispatcher.models import CallQueue
 
     size = 300 << 20
@@ -996,7 +996,7 @@ def http_hostile(ctx: Context) -> list[Figure]:
         server.shutdown()
         server.server_close()
     base = figures["/small"][0]
-    limit_mb = dispatcher_settings.HTTP_MAX_BODY * 4 / 1e6
+    limit_mb = MAX_BODY * 4 / 1e6
     rows = []
     for path, label in (("/huge", "300 MB answer"), ("/bomb", "300 MB gzip bomb"), ("/trickle", "answer trickling 1 B / 0.5 s")):
         peak, seconds = figures[path]
