@@ -380,12 +380,14 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         if not explanation.reasons:
             text = "due now, but nothing will send it" if stalled else "due now: the next dispense pass will send it"
             return format_html("<p>{}</p>{}", text, stalled)
+        expected = explanation.expected
+        when = expected.text(format_moment, explanation.now) if expected is not None else ""
         if explanation.until is None:
-            until = "until a call in flight finishes"
+            until = f"Waits until a call in flight finishes ({when})" if when else "Waits until a call in flight finishes"
         else:
-            until = f"until {format_moment(explanation.until, explanation.now)}"
+            until = when[:1].upper() + when[1:]
         items = format_html_join("", "<li>{}</li>", ((r.text,) for r in explanation.reasons))
-        return format_html("<ul class='why-waiting'>{}</ul><p>Waits {}.</p>{}", items, until, stalled)
+        return format_html("<ul class='why-waiting'>{}</ul><p>{}.</p>{}", items, until, stalled)
 
     def _moment(self, value: datetime | None) -> str:
         return format_moment(value, self._now()) if value else "-"

@@ -59,3 +59,5 @@ class WaitKind(enum.StrEnum):
     """A configured policy (window or bucket) of one of its keys has no room for it."""
     LEARNT = "learnt"
     """A limit the API announced for one of its keys has no room for it."""
+    QUEUED = "queued"
+    """Calls queued before it on one of its keys take that key's room first."""

@@ -18,6 +18,7 @@ from django.db.models.functions import TruncMinute
 from dispatcher import liveness
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment
+from dispatcher.forecast import Expected, expected_start
 from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import Policy as PolicyShape
@@ -185,6 +186,8 @@ class WaitExplanation:
     until: datetime | None
     now: datetime
     stalled: str = ""
+    # When it will start (``forecast``): the moment every view shows.
+    expected: Expected | None = None
 
     def summary(self) -> str:
         if not self.waiting:
@@ -193,6 +196,8 @@ class WaitExplanation:
             text = "due now, but nothing will send it" if self.stalled else "due now: the next dispense pass will send it"
         else:
             text = "; ".join(r.text for r in self.reasons)
+            if self.expected is not None:
+                text = f"{text}; {self.expected.text(format_moment, self.now)}"
         return f"{text}; {self.stalled}" if self.stalled else text
 
 
@@ -355,17 +360,18 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: cata
                 key,
             ))
         else:
-            frees = f"at {format_moment(verdict.until, now)}" if verdict.until else "when calls already dispatched start"
             source = " (a limit the API announced)" if verdict.kind == WaitKind.LEARNT else ""
             kind = WaitKind.LEARNT if verdict.kind == WaitKind.LEARNT else WaitKind.RATE
-            reasons.append(WaitReason(kind, f"key {key}: {verdict.reason}{source}; next slot frees {frees}", verdict.until, key))
-    if not reasons:
-        until = now
-    elif any(r.until is None for r in reasons):
-        until = None
-    else:
-        until = max(r.until for r in reasons if r.until is not None)
-    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled)
+            reasons.append(WaitReason(kind, f"key {key}: {verdict.reason}{source}", verdict.until, key))
+    expected = expected_start(call, now, policies, states)
+    if expected.ahead and expected.at > now:
+        reasons.append(WaitReason(
+            WaitKind.QUEUED, f"{expected.ahead} call{'s' if expected.ahead != 1 else ''} ahead of it on key {expected.key}",
+            expected.at, expected.key,
+        ))
+    # A concurrency slot frees when a call in flight finishes: no moment can be promised.
+    until = None if any(r.kind == WaitKind.CONCURRENCY for r in reasons) else expected.at
+    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled, expected=expected)
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:

@@ -129,7 +129,7 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason, make_call
     now = db_now()
     if reason == "run_at":
         call = make_call(run_at=now + timedelta(minutes=10))
-        expected = ["scheduled: run_at is 20", "UTC (in 10 min)", "Waits until"]
+        expected = ["scheduled: run_at is 20", "UTC (in 10 min)", "Will start at"]
     elif reason == "backoff":
         call = make_call(attempts=1, run_at=now + timedelta(seconds=40), last_error="boom")
         Attempt.objects.create(call=call, number=1, started_at=now, outcome="error")
@@ -146,7 +146,7 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason, make_call
         RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
         log_starts("api", [now - timedelta(seconds=30)])
         call = make_call()
-        expected = ["key api: 1 per 1m used; next slot frees at 20", "UTC (in 30 s)"]
+        expected = ["key api: 1 per 1m used", "Will start at 20", "UTC (in 30 s)"]
     else:
         RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
         make_call(status="running")

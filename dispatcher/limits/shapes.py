@@ -96,6 +96,11 @@ class Policy:
         """Estimate how long a backlog of ``units`` takes to start, ``room_now`` units fitting now."""
         raise NotImplementedError
 
+    def queue_frees_at(self, reading: Reading, now: datetime, queued: int, need: int) -> datetime | None:
+        """Return when a call of ``need`` units can start at the earliest, ``queued`` units starting
+        before it, each as soon as the policy admits it (None: the reading cannot say)."""
+        return self.frees_at(reading, now, queued + need)
+
     # --- shared helpers --------------------------------------------------------------------------
 
     @property
@@ -148,6 +153,23 @@ class SlidingWindow(Policy):
             return None
         oldest = reading.leaves_at(must_leave)
         return None if oldest is None else oldest + self.span + US
+
+    def queue_frees_at(self, reading: Reading, now: datetime, queued: int, need: int) -> datetime | None:
+        # Units in start order: the window's own (c <= used, started at a_c), then the queue's.
+        # Unit c > used starts at S(c) = max(now, S(c - limit) + span): one span per whole
+        # window of units before it, from the oldest start it waits for (or from now).
+        last = reading.used + queued + need
+        if last <= self.limit:
+            return now
+        steps = math.ceil((last - reading.used) / self.limit)
+        base = last - steps * self.limit
+        first = now  # the chain's first unit is within ``limit`` of the oldest: it fits now
+        if base >= 1:
+            oldest = reading.leaves_at(base) if reading.leaves_at is not None else None
+            if oldest is None:
+                return None
+            first = max(now, oldest + self.span + US)
+        return first + (steps - 1) * (self.span + US)
 
     def explain(self) -> str:
         return f"{self.label()} (sliding window: at most {self.limit} in any {self._period_text()})"

@@ -1,0 +1,77 @@
+"""When a waiting call will start, counting the calls queued before it (dispatcher.forecast)."""
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatcher import status as live
+from dispatcher.clock import db_now
+from dispatcher.limits.shapes import US, Reading, SlidingWindow
+from dispatcher.models import CallQueue, RateLimit
+from tests.starts import log_starts
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    limit=st.integers(1, 8),
+    period_s=st.integers(1, 120),
+    ages=st.lists(st.floats(0, 1), max_size=8),
+    queued=st.integers(0, 60),
+    need=st.integers(1, 8),
+)
+def test_a_window_starts_the_queue_one_unit_at_a_time_as_early_as_it_allows(limit, period_s, ages, queued, need):
+    """The closed form equals placing each unit, in order, at the earliest moment the window admits it."""
+    window = SlidingWindow("k", limit, timedelta(seconds=period_s), None, timedelta(0))
+    if need > limit:
+        return  # refused at send(): it can never fit
+    in_window = sorted(NOW - window.span * age for age in ages)[-limit:] if ages else []
+    placed = list(in_window)
+    for _ in range(queued + need):
+        earliest = NOW if len(placed) < limit else max(NOW, placed[-limit] + window.span + US)
+        placed.append(earliest)
+    reading = Reading(used=len(in_window), leaves_at=lambda n: in_window[n - 1] if n <= len(in_window) else None)
+    assert window.queue_frees_at(reading, NOW, queued, need) == placed[-1]
+
+
+pytestmark_db = pytest.mark.django_db(transaction=True)
+
+
+@pytestmark_db
+def test_a_call_behind_185_others_on_a_20_per_minute_key_is_told_about_nine_minutes(make_call):
+    RateLimit.objects.set_policy("mail", 20, timedelta(minutes=1))
+    now = db_now()
+    log_starts("mail", [now - timedelta(seconds=58 - 3 * i) for i in range(20)])
+    CallQueue.objects.send_many([{"method": "noop", "keys": ["mail"]} for _ in range(185)])
+    last = CallQueue.objects.send("noop", {}, keys=["mail"])
+    explanation = live.explain_call(last)
+    wait = (explanation.until - explanation.now).total_seconds()
+    # 185 ahead plus itself: the 186th unit from now, 20 a minute, the window full until 2 s from now.
+    assert 9 * 60 <= wait <= 9 * 60 + 20, wait
+    assert explanation.expected.exact and explanation.expected.ahead == 185
+    assert "185 calls ahead of it on key mail" in explanation.summary()
+    assert "will start at" in explanation.summary()
+
+
+@pytestmark_db
+def test_other_tenants_on_a_shared_key_count_by_their_fair_turns(make_call):
+    RateLimit.objects.set_policy("mail", 8, timedelta(minutes=1))
+    for tenant in range(7):
+        CallQueue.objects.send_many([{"method": "noop", "keys": ["mail", f"mail:t{tenant}"]} for _ in range(10)])
+    mine = [CallQueue.objects.send("noop", {}, keys=["mail", "mail:t7"]) for _ in range(4)]
+    expected = live.explain_call(mine[3]).expected
+    # Three of its own before it, and each other tenant's turns before its fourth: four each.
+    assert expected.ahead == 3 + 7 * 4 and expected.key == "mail"
+
+
+@pytestmark_db
+def test_a_key_at_its_concurrency_cap_gives_only_a_lower_bound(make_call):
+    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    make_call(keys=["slow"], status="running")
+    explanation = live.explain_call(make_call(keys=["slow"]))
+    assert explanation.until is None
+    assert not explanation.expected.exact and "not before" in explanation.summary()
