@@ -248,8 +248,8 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             "panels": policy_panels(status, units.get(status.key, {})),
             "policies": ", ".join(p.label() for p in status.policies) or "no limit",
             "oldest_wait": humanize_duration(status.oldest_wait),
-            "drain": humanize_duration(status.drain_time) if status.waiting else "-",
-            "next_free": format_moment(status.next_free_at, status.now) if status.blocked else free_now,
+            "drain": status.drain_text(humanize_duration),
+            "next_free": status.next_free_text(format_moment) if status.blocked or status.held_by else free_now,
             "paused": format_moment(status.paused_until, status.now) if status.paused_until else "",
         })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}

@@ -7,7 +7,7 @@ the answer is what a dispenser would decide at this instant, give or take a conc
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -83,6 +83,8 @@ class KeyStatus:
     room: int = gate.UNLIMITED
     blocked_reason: str = ""
     next_free_at: datetime | None = None
+    # Another key of its waiting calls that holds them past this key's own free slot.
+    held_by: str = ""
 
     @property
     def in_flight(self) -> int:
@@ -102,6 +104,29 @@ class KeyStatus:
     @property
     def blocked(self) -> bool:
         return self.room <= 0
+
+    @property
+    def drain_is_lower_bound(self) -> bool:
+        """Whether the drain is only a lower bound: a concurrency cap (how long calls run is not
+        known) or another key holds the backlog."""
+        return bool(self.waiting) and (self.concurrency is not None or bool(self.held_by))
+
+    def next_free_text(self, say: Callable[[datetime, datetime], str]) -> str:
+        """Say when the key's next waiting call can start ("now", a moment, "when a call in flight
+        finishes"), with ``say(moment, now)`` for a moment; a moment another key decides names it."""
+        if self.next_free_at is None:
+            return "when a call in flight finishes"
+        if self.next_free_at <= self.now:
+            return "now"
+        text = say(self.next_free_at, self.now)
+        return f"{text} (held by {self.held_by})" if self.held_by else text
+
+    def drain_text(self, say: Callable[[timedelta | None], str]) -> str:
+        """Say the drain time, "at least ..." where it is a lower bound, "-" when nothing waits."""
+        if not self.waiting:
+            return "-"
+        text = say(self.drain_time)
+        return f"at least {text}" if self.drain_is_lower_bound else text
 
     @property
     def governed_by(self) -> str:
@@ -264,16 +289,22 @@ def _status_for(key: str, state: Any, now: datetime, policies: catalog.Policies,
     return status
 
 
-def waiting_by_key(now: datetime) -> dict[str, tuple[int, int, datetime | None]]:
-    """Return per key (waiting, due now, oldest created_at) over waiting calls, by key set."""
-    totals: dict[str, tuple[int, int, datetime | None]] = {}
-    rows = (
+def _waiting_key_sets(now: datetime) -> list[dict[str, Any]]:
+    """Return each key set with waiting calls: how many, how many due, the oldest, the earliest run_at."""
+    return list(
         CallQueue.objects.pending()
         .values("key_set")
-        .annotate(n=Count("id"), due=Count("id", filter=Q(run_at__lte=now)), oldest=Min("created_at"))
+        .annotate(
+            n=Count("id"), due=Count("id", filter=Q(run_at__lte=now)), oldest=Min("created_at"), first=Min("run_at")
+        )
         .order_by()
     )
-    for row in rows:
+
+
+def waiting_by_key(now: datetime, rows: list[dict[str, Any]] | None = None) -> dict[str, tuple[int, int, datetime | None]]:
+    """Return per key (waiting, due now, oldest created_at) over waiting calls, by key set."""
+    totals: dict[str, tuple[int, int, datetime | None]] = {}
+    for row in rows if rows is not None else _waiting_key_sets(now):
         for key in parse_key_set(row["key_set"]):
             n, due, oldest = totals.get(key, (0, 0, None))
             if oldest is None or (row["oldest"] is not None and row["oldest"] < oldest):
@@ -290,7 +321,8 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     """
     now = now or db_now()
     policies = catalog.Policies.load()
-    waiting = waiting_by_key(now)
+    waiting_sets = _waiting_key_sets(now)
+    waiting = waiting_by_key(now, waiting_sets)
     running = gate.running_by_key(keys)
     if keys is None:
         wanted = set(waiting) | set(running)
@@ -306,12 +338,51 @@ def key_statuses(keys: Iterable[str] | None = None, *, now: datetime | None = No
     else:
         wanted = set(keys)
     states = {s.key: s for s in KeyState.objects.filter(key__in=wanted)}
-    result = []
+    result = {}
     for key in sorted(wanted):
         status = _status_for(key, _key_state(key, states), now, policies, running.get(key, 0))
         status.waiting, status.due, status.oldest_waiting_since = waiting.get(key, (0, 0, None))
-        result.append(status)
-    return result
+        result[key] = status
+    _hold_by_other_keys(result, waiting_sets, now, policies, states, running)
+    return list(result.values())
+
+
+def _hold_by_other_keys(
+    statuses: dict[str, KeyStatus], waiting_sets: list[dict[str, Any]], now: datetime, policies: catalog.Policies,
+    states: dict[str, Any], running: dict[str, int],
+) -> None:
+    """Move each key's next free slot to when one of its waiting calls can really start: a call
+    waits for every key it carries (and its run_at), so the slot is the earliest, over the key's
+    waiting key sets, of the latest free slot of their keys."""
+    others: dict[str, KeyStatus] = {}
+    for status in statuses.values():
+        if not status.waiting:
+            continue
+        best: tuple[datetime, str] | None = None
+        unknown = False
+        for row in waiting_sets:
+            keys = parse_key_set(row["key_set"])
+            if status.key not in keys:
+                continue
+            moment: datetime | None = max(row["first"] or now, now)
+            holder = ""
+            for other in keys:
+                if other not in statuses and other not in others:
+                    others[other] = _status_for(other, _key_state(other, states), now, policies, running.get(other, 0))
+                free = (statuses.get(other) or others[other]).next_free_at
+                if free is None or moment is None:
+                    moment = None
+                    continue
+                if free > moment:
+                    moment, holder = free, (other if other != status.key else "")
+            if moment is None:
+                unknown = True
+            elif best is None or moment < best[0]:
+                best = (moment, holder)
+        if best is not None:
+            status.next_free_at, status.held_by = best
+        elif unknown:
+            status.next_free_at = None
 
 
 def explain_call(call: CallQueue, *, now: datetime | None = None, policies: catalog.Policies | None = None) -> WaitExplanation:

@@ -75,3 +75,36 @@ def test_a_key_at_its_concurrency_cap_gives_only_a_lower_bound(make_call):
     explanation = live.explain_call(make_call(keys=["slow"]))
     assert explanation.until is None
     assert not explanation.expected.exact and "not before" in explanation.summary()
+
+
+@pytestmark_db
+def test_a_tenant_key_with_room_reports_the_slot_of_the_full_shared_key_that_holds_its_calls():
+    RateLimit.objects.set_policy("mail", 2, timedelta(minutes=1))
+    RateLimit.objects.set_policy("mail:*", 10, timedelta(minutes=1))
+    now = db_now()
+    log_starts("mail", [now - timedelta(seconds=50), now - timedelta(seconds=20)])
+    CallQueue.objects.send_many([{"method": "noop", "keys": ["mail", "mail:t5"]} for _ in range(25)])
+    statuses = {s.key: s for s in live.key_statuses(now=now)}
+    tenant = statuses["mail:t5"]
+    assert not tenant.blocked and tenant.held_by == "mail"
+    assert 8 <= (tenant.next_free_at - now).total_seconds() <= 12
+    assert tenant.next_free_text(lambda moment, at: "then").endswith("(held by mail)")
+
+
+@pytestmark_db
+def test_a_key_behind_a_one_per_hour_key_is_not_free_now():
+    RateLimit.objects.set_policy("hourly", 1, timedelta(hours=1))
+    now = db_now()
+    log_starts("hourly", [now - timedelta(minutes=10)])
+    CallQueue.objects.send("noop", {}, keys=["fast", "hourly"])
+    fast = next(s for s in live.key_statuses(now=now) if s.key == "fast")
+    assert fast.held_by == "hourly" and (fast.next_free_at - now) >= timedelta(minutes=49)
+
+
+@pytestmark_db
+def test_the_drain_of_a_capped_key_is_a_lower_bound(make_call):
+    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    for _ in range(9):
+        make_call(keys=["slow"])
+    slow = next(s for s in live.key_statuses(now=db_now()) if s.key == "slow")
+    assert slow.drain_is_lower_bound and slow.drain_text(lambda d: "0 s") == "at least 0 s"

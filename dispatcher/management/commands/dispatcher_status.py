@@ -78,13 +78,13 @@ class Command(BaseCommand):
             used = ", ".join(f"{p.used}/{p.policy.capacity()}" for p in s.policies) or "-"
             flight = f"{s.in_flight}/{s.concurrency}" if s.concurrency else str(s.in_flight)
             paused = humanize(s.paused_until, s.now) if s.paused_until else "-"
-            if s.blocked:
-                free = humanize(s.next_free_at, s.now) if s.next_free_at else "when one finishes"
+            if s.blocked or s.held_by or s.next_free_at is None:
+                free = s.next_free_text(humanize)
             else:
                 # A free slot sends nothing while no dispenser runs: say so where the slot is read.
                 free = "now, but no dispenser runs" if state.problem(liveness.DISPENSER) else "now"
             rows.append((s.key, policies, used, flight, str(s.waiting), humanize_duration(s.oldest_wait),
-                         paused, free, humanize_duration(s.drain_time)))
+                         paused, free, s.drain_text(humanize_duration)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
         return "\n".join([*lines, "", *table, *failure_lines])
