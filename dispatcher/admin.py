@@ -22,7 +22,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
-from dispatcher import liveness
+from dispatcher import liveness, waits
 from dispatcher import status as live
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration, parse_positive_duration
@@ -373,7 +373,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
 
     @admin.display(description="why it waits")
     def why_waiting(self, call: CallQueue) -> str:
-        explanation = live.explain_call(call)
+        explanation = waits.explain_call(call)
         stalled = format_html("<p class='why-stalled'>{}</p>", explanation.stalled) if explanation.stalled else ""
         if not explanation.waiting:
             return stalled or "in flight"
@@ -467,7 +467,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         if not ids:
             return ""
         calls = list(CallQueue.objects.filter(id__in=ids[:200], status=CallQueue.Status.PENDING))
-        explanations = [(c, live.explain_call(c)) for c in calls]
+        explanations = [(c, waits.explain_call(c)) for c in calls]
         held = [(c, e) for c, e in explanations if e.reasons]
         if not held:
             return ""
@@ -689,7 +689,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
                 return "-"
             until, latest = max(pauses, key=lambda pause: pause[0])
             reason, now = latest.pause_reason, latest.now
-        source = live.pause_source(reason)
+        source = waits.pause_source(reason)
         detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
         return f"{format_moment(until, now)}, by {source}{detail}"
 

@@ -30,8 +30,8 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidCall
 from dispatcher.models import CallQueue
 from dispatcher.redact import redact, redact_text
-from dispatcher.status import explain_call
 from dispatcher.validation import MAX_JSON_DEPTH, json_text_depth
+from dispatcher.waits import explain_call
 
 MAX_BODY_BYTES = 1024 * 1024
 SEND_FIELDS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue"}

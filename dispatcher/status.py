@@ -15,15 +15,12 @@ from typing import Any
 from django.db.models import Count, Max, Min, Q, Sum
 from django.db.models.functions import TruncMinute
 
-from dispatcher import liveness
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration, format_moment
-from dispatcher.forecast import Expected, expected_start
+from dispatcher.durations import format_duration
 from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
-from dispatcher.states import WaitKind
 
 
 @dataclass(frozen=True)
@@ -188,62 +185,6 @@ class KeyStatus:
         }
 
 
-@dataclass(frozen=True)
-class WaitReason:
-    """One thing that holds a call back."""
-
-    kind: WaitKind
-    text: str
-    until: datetime | None = None
-    key: str = ""
-
-
-@dataclass
-class WaitExplanation:
-    """Why a call waits and until when (``until`` None: until something else finishes).
-
-    ``stalled`` says what keeps it from moving when a dispenser or worker is missing
-    ("no dispenser has run since …", "dispatched 4 min ago, no worker has picked it up").
-    """
-
-    waiting: bool
-    reasons: list[WaitReason]
-    until: datetime | None
-    now: datetime
-    stalled: str = ""
-    # When it will start (``forecast``): the moment every view shows.
-    expected: Expected | None = None
-
-    def summary(self) -> str:
-        if not self.waiting:
-            text = "not waiting"
-        elif not self.reasons:
-            text = "due now, but nothing will send it" if self.stalled else "due now: the next dispense pass will send it"
-        else:
-            text = "; ".join(r.text for r in self.reasons)
-            if self.expected is not None:
-                text = f"{text}; {self.expected.text(format_moment, self.now)}"
-        return f"{text}; {self.stalled}" if self.stalled else text
-
-
-def pause_text(reason: str) -> str:
-    """Say how a key is paused: "paused by operator", "paused (429 from call #3)"."""
-    if not reason:
-        return "paused"
-    return reason if reason.startswith("paused") else f"paused ({reason})"
-
-
-def pause_source(reason: str) -> str:
-    """Say who paused a key: "operator", "429 from the API", "the API's rate-limit headers", "pattern"."""
-    if reason.startswith("429"):
-        return "429 from the API"
-    if reason.startswith("API said"):
-        return "the API's rate-limit headers"
-    if reason == "pattern paused":
-        return "pattern pause"
-    return "operator" if reason.startswith("paused by operator") or not reason else reason
-
-
 def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() if moment is not None else None
 
@@ -383,66 +324,6 @@ def _hold_by_other_keys(
             status.next_free_at, status.held_by = best
         elif unknown:
             status.next_free_at = None
-
-
-def explain_call(call: CallQueue, *, now: datetime | None = None, policies: catalog.Policies | None = None) -> WaitExplanation:
-    """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
-    now = now or db_now()
-    if call.status not in (call.Status.PENDING, call.Status.DISPATCHED, call.Status.RUNNING):
-        return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
-    stalled = liveness.stall(call, liveness.read(now))
-    if call.status != call.Status.PENDING:
-        return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
-    policies = policies or catalog.Policies.load()
-    reasons: list[WaitReason] = []
-    if call.run_at and call.run_at > now:
-        when = format_moment(call.run_at, now)
-        last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
-        if last == Attempt.Outcome.RATE_LIMITED:
-            reasons.append(WaitReason(WaitKind.DEFERRED, f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
-        elif last is not None:
-            reasons.append(WaitReason(
-                WaitKind.BACKOFF,
-                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try at {when}",
-                call.run_at,
-            ))
-        else:
-            reasons.append(WaitReason(WaitKind.RUN_AT, f"scheduled: run_at is {when}", call.run_at))
-    keys = parse_key_set(call.key_set)
-    states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
-    for key in keys:
-        verdict = gate.check_key(
-            key, _key_state(key, states), now, policies, for_start=False, cost=call.cost_of(key)
-        )
-        if not verdict.blocked:
-            continue
-        if verdict.kind == WaitKind.PAUSED:
-            state = states.get(key)
-            reasons.append(WaitReason(
-                WaitKind.PAUSED,
-                f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
-                verdict.until, key,
-            ))
-        elif verdict.kind == WaitKind.CONCURRENCY:
-            reasons.append(WaitReason(
-                WaitKind.CONCURRENCY,
-                f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
-                None,
-                key,
-            ))
-        else:
-            source = " (a limit the API announced)" if verdict.kind == WaitKind.LEARNT else ""
-            kind = WaitKind.LEARNT if verdict.kind == WaitKind.LEARNT else WaitKind.RATE
-            reasons.append(WaitReason(kind, f"key {key}: {verdict.reason}{source}", verdict.until, key))
-    expected = expected_start(call, now, policies, states)
-    if expected.ahead and expected.at > now:
-        reasons.append(WaitReason(
-            WaitKind.QUEUED, f"{expected.ahead} call{'s' if expected.ahead != 1 else ''} ahead of it on key {expected.key}",
-            expected.at, expected.key,
-        ))
-    # A concurrency slot frees when a call in flight finishes: no moment can be promised.
-    until = None if any(r.kind == WaitKind.CONCURRENCY for r in reasons) else expected.at
-    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled, expected=expected)
 
 
 def starts_per_minute(key: str, *, now: datetime | None = None, minutes: int = 60) -> list[tuple[datetime, int]]:

@@ -9,7 +9,8 @@ from django.contrib.auth.models import User
 
 from dispatcher import report_rate_limit
 from dispatcher.models import CallQueue, RateLimit
-from dispatcher.status import explain_call, key_statuses
+from dispatcher.status import key_statuses
+from dispatcher.waits import explain_call
 from tests.starts import log_starts
 from tests.test_metrics import samples
 

@@ -13,8 +13,7 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from dispatcher import liveness
-from dispatcher import status as live
+from dispatcher import liveness, waits
 from dispatcher.clock import db_now
 from dispatcher.models import Heartbeat
 from support.processes import wait_until
@@ -36,30 +35,30 @@ def admin_client() -> Client:
 def test_a_waiting_call_says_no_dispenser_has_run_since_its_last_heartbeat(make_call):
     heartbeat("dispenser", timedelta(minutes=4))
     heartbeat("worker", timedelta(seconds=1))
-    explanation = live.explain_call(make_call())
+    explanation = waits.explain_call(make_call())
     assert explanation.stalled.startswith("no dispenser has run since ") and "(4 min ago)" in explanation.stalled
     assert explanation.summary() == f"due now, but nothing will send it; {explanation.stalled}"
 
 
 def test_a_waiting_call_with_a_live_dispenser_is_due_now(make_call):
     heartbeat("dispenser", timedelta(seconds=2))
-    explanation = live.explain_call(make_call())
+    explanation = waits.explain_call(make_call())
     assert explanation.stalled == "" and explanation.summary() == "due now: the next dispense pass will send it"
 
 
 def test_before_any_dispenser_ran_the_call_says_so(make_call):
-    assert live.explain_call(make_call()).stalled == "no dispenser has run yet"
+    assert waits.explain_call(make_call()).stalled == "no dispenser has run yet"
 
 
 def test_a_call_left_in_the_broker_says_no_worker_has_picked_it_up(make_call):
     heartbeat("dispenser", timedelta(seconds=1))
     heartbeat("worker", timedelta(minutes=10))
     call = make_call(status="dispatched", dispatched_at=db_now() - timedelta(minutes=4))
-    stalled = live.explain_call(call).stalled
+    stalled = waits.explain_call(call).stalled
     assert stalled.startswith("dispatched 4 min ago, no worker has picked it up; no worker has reported since ")
     # A call dispatched a moment ago is on its way: nothing to say.
     fresh = make_call(status="dispatched", dispatched_at=db_now())
-    assert live.explain_call(fresh).stalled == ""
+    assert waits.explain_call(fresh).stalled == ""
 
 
 def test_a_process_that_stopped_cleanly_is_not_running_before_its_timeout():

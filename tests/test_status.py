@@ -9,6 +9,7 @@ import pytest
 from django.core.management import call_command
 
 from dispatcher import status as live
+from dispatcher import waits
 from dispatcher.clock import db_now
 from dispatcher.durations import humanize
 from dispatcher.models import Attempt, KeyState, RateLimit
@@ -70,7 +71,7 @@ def test_pattern_pause_shows_on_matching_key(make_call):
 
 def test_explains_a_future_run_at(make_call):
     call = make_call(keys=["free"], run_at=db_now() + timedelta(minutes=10))
-    explanation = live.explain_call(call)
+    explanation = waits.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["run_at"]
     assert "scheduled" in explanation.summary() and "in 10 min" in explanation.summary()
     assert explanation.until == call.run_at
@@ -79,7 +80,7 @@ def test_explains_a_future_run_at(make_call):
 def test_explains_a_retry_backoff(make_call):
     call = make_call(keys=["free"], attempts=1, run_at=db_now() + timedelta(seconds=30), last_error="RuntimeError: boom")
     Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="error", error="boom")
-    explanation = live.explain_call(call)
+    explanation = waits.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["backoff"]
     assert "attempt 1 of 3" in explanation.summary() and "in 30 s" in explanation.summary()
 
@@ -88,7 +89,7 @@ def test_explains_a_429_deferral_and_the_pause_it_set(make_call):
     RateLimit.objects.pause_key("downstream", timedelta(seconds=90), reason="429 from call #1")
     call = make_call(keys=["downstream"], deferrals=1, run_at=db_now() + timedelta(seconds=90))
     Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="rate_limited")
-    explanation = live.explain_call(call)
+    explanation = waits.explain_call(call)
     assert [r.kind for r in explanation.reasons] == ["deferred", "paused"]
     assert "key downstream is paused (429 from call #1)" in explanation.summary()
 
@@ -97,7 +98,7 @@ def test_explains_a_full_window_with_the_time_its_slot_frees(make_call):
     RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
     starts("api", 50, 5)
     call = make_call(keys=["api"])
-    explanation = live.explain_call(call)
+    explanation = waits.explain_call(call)
     (reason,) = explanation.reasons
     assert reason.kind == "rate" and reason.key == "api"
     assert "2 per 1m used" in reason.text
@@ -108,20 +109,20 @@ def test_explains_a_full_window_with_the_time_its_slot_frees(make_call):
 def test_explains_a_concurrency_cap_without_an_end_time(make_call):
     RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     make_call(keys=["slow"], status="running")  # running calls are counted from the calls themselves
-    explanation = live.explain_call(make_call(keys=["slow"]))
+    explanation = waits.explain_call(make_call(keys=["slow"]))
     assert [r.kind for r in explanation.reasons] == ["concurrency"]
     assert explanation.until is None and "concurrency 1/1" in explanation.summary()
 
 
 def test_a_due_call_with_room_is_explained_as_due_now(make_call):
     RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
-    explanation = live.explain_call(make_call(keys=["api"]))
+    explanation = waits.explain_call(make_call(keys=["api"]))
     assert explanation.reasons == [] and explanation.summary().startswith("due now")
 
 
 def test_a_finished_call_is_not_waiting(make_call):
     call = make_call(keys=["api"], status="done")
-    assert live.explain_call(call).summary() == "not waiting"
+    assert waits.explain_call(call).summary() == "not waiting"
 
 
 @pytest.mark.parametrize(

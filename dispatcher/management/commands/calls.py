@@ -7,8 +7,8 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from dispatcher.clock import db_now
+from dispatcher.durations import format_moment
 from dispatcher.models import CallQueue
-from dispatcher.status import format_moment
 
 STATUSES = tuple(CallQueue.Status.values)
 MAX_LIMIT = 10_000

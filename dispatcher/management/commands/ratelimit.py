@@ -7,11 +7,10 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration, parse_positive_duration
+from dispatcher.durations import format_duration, format_moment, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
 from dispatcher.limits.shapes import PolicyError
 from dispatcher.models import CallQueue, KeyState, RateLimit
-from dispatcher.status import format_moment
 
 
 def _positive_int(name: str):

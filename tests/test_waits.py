@@ -1,4 +1,4 @@
-"""When a waiting call will start, counting the calls queued before it (dispatcher.forecast)."""
+"""When a waiting call will start, counting the calls queued before it (dispatcher.waits)."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatcher import status as live
+from dispatcher import waits
 from dispatcher.clock import db_now
 from dispatcher.limits.shapes import US, Reading, SlidingWindow
 from dispatcher.models import CallQueue, RateLimit
@@ -48,7 +49,7 @@ def test_a_call_behind_185_others_on_a_20_per_minute_key_is_told_about_nine_minu
     log_starts("mail", [now - timedelta(seconds=58 - 3 * i) for i in range(20)])
     CallQueue.objects.send_many([{"method": "noop", "keys": ["mail"]} for _ in range(185)])
     last = CallQueue.objects.send("noop", {}, keys=["mail"])
-    explanation = live.explain_call(last)
+    explanation = waits.explain_call(last)
     wait = (explanation.until - explanation.now).total_seconds()
     # 185 ahead plus itself: the 186th unit from now, 20 a minute, the window full until 2 s from now.
     assert 9 * 60 <= wait <= 9 * 60 + 20, wait
@@ -63,7 +64,7 @@ def test_other_tenants_on_a_shared_key_count_by_their_fair_turns(make_call):
     for tenant in range(7):
         CallQueue.objects.send_many([{"method": "noop", "keys": ["mail", f"mail:t{tenant}"]} for _ in range(10)])
     mine = [CallQueue.objects.send("noop", {}, keys=["mail", "mail:t7"]) for _ in range(4)]
-    expected = live.explain_call(mine[3]).expected
+    expected = waits.explain_call(mine[3]).expected
     # Three of its own before it, and each other tenant's turns before its fourth: four each.
     assert expected.ahead == 3 + 7 * 4 and expected.key == "mail"
 
@@ -72,7 +73,7 @@ def test_other_tenants_on_a_shared_key_count_by_their_fair_turns(make_call):
 def test_a_key_at_its_concurrency_cap_gives_only_a_lower_bound(make_call):
     RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     make_call(keys=["slow"], status="running")
-    explanation = live.explain_call(make_call(keys=["slow"]))
+    explanation = waits.explain_call(make_call(keys=["slow"]))
     assert explanation.until is None
     assert not explanation.expected.exact and "not before" in explanation.summary()
 

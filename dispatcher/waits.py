@@ -1,0 +1,222 @@
+"""Why a waiting call waits and when it will start: the one answer every view shows.
+
+A call starts once its ``run_at`` has come, no key of it is paused, and every policy of every key
+has room for it after the calls queued before it on that key: the calls of its own key set that
+come first (priority, then ``run_at``, then age) and, of each key set it shares the key with, as
+many as fair turns give that key set before this call's turn (``calls.shares``: as many as this
+call has ahead in its own key set, plus one). Each policy answers for its own shape
+(``queue_frees_at``: a window one span per full window of units before the call, a bucket one
+interval per unit). The moment is exact while the queue ahead starts as fast as the policies
+allow; it is a lower bound ("not before") where that depends on how long calls run (a
+concurrency cap), on a pause ending, or on what the readings cannot say.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db.models import Count, Q
+
+from dispatcher import liveness
+from dispatcher.clock import db_now
+from dispatcher.durations import format_moment
+from dispatcher.keys import parse_key_set
+from dispatcher.limits import catalog, gate
+from dispatcher.models import Attempt, CallQueue, KeyState
+from dispatcher.states import WaitKind
+
+
+@dataclass(frozen=True)
+class WaitReason:
+    """One thing that holds a call back."""
+
+    kind: WaitKind
+    text: str
+    until: datetime | None = None
+    key: str = ""
+
+
+@dataclass
+class WaitExplanation:
+    """Why a call waits and until when (``until`` None: until something else finishes).
+
+    ``stalled`` says what keeps it from moving when a dispenser or worker is missing
+    ("no dispenser has run since …", "dispatched 4 min ago, no worker has picked it up").
+    """
+
+    waiting: bool
+    reasons: list[WaitReason]
+    until: datetime | None
+    now: datetime
+    stalled: str = ""
+    # When it will start (``forecast``): the moment every view shows.
+    expected: Expected | None = None
+
+    def summary(self) -> str:
+        if not self.waiting:
+            text = "not waiting"
+        elif not self.reasons:
+            text = "due now, but nothing will send it" if self.stalled else "due now: the next dispense pass will send it"
+        else:
+            text = "; ".join(r.text for r in self.reasons)
+            if self.expected is not None:
+                text = f"{text}; {self.expected.text(format_moment, self.now)}"
+        return f"{text}; {self.stalled}" if self.stalled else text
+
+
+@dataclass(frozen=True)
+class Expected:
+    """When a waiting call will start: ``at`` exactly, or not before it when ``exact`` is False."""
+
+    at: datetime
+    exact: bool
+    # The key whose queue or policy decides the moment ("" when the call's own run_at does).
+    key: str = ""
+    # Calls queued before this one on that key.
+    ahead: int = 0
+
+    def text(self, format_moment: Any, now: datetime) -> str:
+        """Say it: "will start at 12:00:05 (in 5 s)", or "not before ..." for a lower bound."""
+        if self.at <= now and self.exact:
+            return "due now"
+        when = format_moment(self.at, now)
+        return f"will start at {when}" if self.exact else f"not before {when}"
+
+
+def ahead_on_key(call: CallQueue, key: str, moment: datetime) -> int:
+    """Count the waiting calls that start before ``call`` on ``key``: its own key set's earlier
+    ones, and each other key set's fair turns before it (see the module's docstring)."""
+    # The call itself is left out by id: SQLite compares stored moments as text, where the column's
+    # own default (milliseconds) sorts before the same moment given as a parameter (microseconds).
+    waiting = CallQueue.objects.using(call._state.db or "default").pending().filter(run_at__lte=moment).exclude(id=call.id)
+    earlier = (
+        Q(priority__gt=call.priority)
+        | Q(priority=call.priority, run_at__lt=call.run_at)
+        | Q(priority=call.priority, run_at=call.run_at, id__lt=call.id)
+    )
+    own = waiting.filter(earlier, key_set=call.key_set).count()
+    others = (
+        waiting.carrying(key).exclude(key_set=call.key_set).values("key_set").annotate(n=Count("id")).order_by()
+    )
+    return own + sum(min(row["n"], own + 1) for row in others)
+
+
+def expected_start(
+    call: CallQueue, now: datetime, policies: catalog.Policies, states: dict[str, Any] | None = None
+) -> Expected:
+    """Return when a waiting call will start (see the module's docstring)."""
+    keys = parse_key_set(call.key_set)
+    if states is None:
+        states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
+    best = Expected(at=max(call.run_at, now), exact=True)
+    exact = True
+    for key in keys:
+        state = states.get(key) or KeyState(key=key)
+        pause = max(
+            (t for t in (state.paused_until, policies.pattern_pause(key)) if t is not None and t > now), default=None
+        )
+        governing = policies.for_key(key)
+        if not governing:
+            if pause is not None and pause > best.at:
+                best = Expected(pause, exact, key)
+            continue
+        ahead = ahead_on_key(call, key, max(call.run_at, now))
+        found, running = gate.read_keys({key: governing}, {key: state}, now)
+        readings = found[key]
+        queued = ahead + max(state.reserved_units or 0, 0)
+        caps = [p.concurrency for p in governing if p.concurrency]
+        if caps and running.get(key, 0) + max(state.reserved or 0, 0) + ahead >= min(caps):
+            # Its slot frees when a call in flight (or ahead) finishes: how long that runs is not known.
+            exact = False
+        at = max(now, pause or now)
+        for policy, reading in zip(governing, readings, strict=True):
+            frees = policy.queue_frees_at(reading, now, queued, call.cost_of(key))
+            if frees is None:
+                exact = False
+                continue
+            at = max(at, frees)
+        if pause is not None and queued:
+            # The queue starts when the pause ends; the policies' room then is not known now.
+            exact = False
+        if at > best.at:
+            best = Expected(at, exact, key, ahead)
+    return Expected(best.at, exact and best.exact, best.key, best.ahead)
+
+
+def pause_text(reason: str) -> str:
+    """Say how a key is paused: "paused by operator", "paused (429 from call #3)"."""
+    if not reason:
+        return "paused"
+    return reason if reason.startswith("paused") else f"paused ({reason})"
+
+
+def pause_source(reason: str) -> str:
+    """Say who paused a key: "operator", "429 from the API", "the API's rate-limit headers", "pattern"."""
+    if reason.startswith("429"):
+        return "429 from the API"
+    if reason.startswith("API said"):
+        return "the API's rate-limit headers"
+    if reason == "pattern paused":
+        return "pattern pause"
+    return "operator" if reason.startswith("paused by operator") or not reason else reason
+
+
+def explain_call(call: CallQueue, *, now: datetime | None = None, policies: catalog.Policies | None = None) -> WaitExplanation:
+    """Say why a call waits and until when: run_at, backoff, 429 deferral, pause, full window, concurrency."""
+    now = now or db_now()
+    if call.status not in (call.Status.PENDING, call.Status.DISPATCHED, call.Status.RUNNING):
+        return WaitExplanation(waiting=False, reasons=[], until=None, now=now)
+    stalled = liveness.stall(call, liveness.read(now))
+    if call.status != call.Status.PENDING:
+        return WaitExplanation(waiting=False, reasons=[], until=None, now=now, stalled=stalled)
+    policies = policies or catalog.Policies.load()
+    reasons: list[WaitReason] = []
+    if call.run_at and call.run_at > now:
+        when = format_moment(call.run_at, now)
+        last = call.attempt_set.order_by("-id").values_list("outcome", flat=True).first()
+        if last == Attempt.Outcome.RATE_LIMITED:
+            reasons.append(WaitReason(WaitKind.DEFERRED, f"deferred by a 429 (rate limited downstream); next try at {when}", call.run_at))
+        elif last is not None:
+            reasons.append(WaitReason(
+                WaitKind.BACKOFF,
+                f"retry backoff after attempt {call.attempts} of {call.max_attempts} ({last}); next try at {when}",
+                call.run_at,
+            ))
+        else:
+            reasons.append(WaitReason(WaitKind.RUN_AT, f"scheduled: run_at is {when}", call.run_at))
+    keys = parse_key_set(call.key_set)
+    states = {s.key: s for s in KeyState.objects.filter(key__in=keys)}
+    for key in keys:
+        verdict = gate.check_key(
+            key, (states.get(key) or KeyState(key=key)), now, policies, for_start=False, cost=call.cost_of(key)
+        )
+        if not verdict.blocked:
+            continue
+        if verdict.kind == WaitKind.PAUSED:
+            state = states.get(key)
+            reasons.append(WaitReason(
+                WaitKind.PAUSED,
+                f"key {key} is {pause_text(state.pause_reason if state else '')} until {format_moment(verdict.until, now)}",
+                verdict.until, key,
+            ))
+        elif verdict.kind == WaitKind.CONCURRENCY:
+            reasons.append(WaitReason(
+                WaitKind.CONCURRENCY,
+                f"key {key} is at its concurrency limit ({verdict.reason}); a slot frees when a call in flight finishes",
+                None,
+                key,
+            ))
+        else:
+            source = " (a limit the API announced)" if verdict.kind == WaitKind.LEARNT else ""
+            kind = WaitKind.LEARNT if verdict.kind == WaitKind.LEARNT else WaitKind.RATE
+            reasons.append(WaitReason(kind, f"key {key}: {verdict.reason}{source}", verdict.until, key))
+    expected = expected_start(call, now, policies, states)
+    if expected.ahead and expected.at > now:
+        reasons.append(WaitReason(
+            WaitKind.QUEUED, f"{expected.ahead} call{'s' if expected.ahead != 1 else ''} ahead of it on key {expected.key}",
+            expected.at, expected.key,
+        ))
+    # A concurrency slot frees when a call in flight finishes: no moment can be promised.
+    until = None if any(r.kind == WaitKind.CONCURRENCY for r in reasons) else expected.at
+    return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled, expected=expected)
