@@ -386,3 +386,40 @@ def recent_failures(now: datetime, span: timedelta = timedelta(hours=1)) -> list
     for item in found.values():
         item.latest_error = (texts.get(item.latest_id, "").strip().splitlines() or [""])[0][:200]
     return sorted(found.values(), key=lambda f: (-f.failed, -f.errors, f.key))
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one key set got of a shared key over its last window, and how long its oldest call waits."""
+
+    key_set: str
+    units: int
+    waiting: int
+    oldest_wait: timedelta | None
+
+
+def shares_of(key: str, now: datetime, window: timedelta) -> list[Share]:
+    """Return, for a key that several key sets with waiting calls share, each one's units started in
+    the last ``window`` and its oldest wait, least served first (the turns ``calls.shares`` keeps)."""
+    waiting = {
+        row["key_set"]: row
+        for row in CallQueue.objects.pending().carrying(key).values("key_set")
+        .annotate(n=Count("id"), oldest=Min("created_at")).order_by()
+    }
+    started = StartLog.objects.filter(key=key, started_at__gte=now - window, call_id__isnull=False)
+    by_call = dict(started.values_list("call_id").annotate(units=Sum("units")).order_by())
+    units: dict[str, int] = {}
+    for call_id, key_set in CallQueue.objects.filter(id__in=list(by_call)).values_list("id", "key_set"):
+        units[key_set] = units.get(key_set, 0) + by_call[call_id]
+    if len(set(waiting) | set(units)) < 2:
+        return []
+    return sorted(
+        (
+            Share(
+                key_set, units.get(key_set, 0), waiting[key_set]["n"] if key_set in waiting else 0,
+                now - waiting[key_set]["oldest"] if key_set in waiting else None,
+            )
+            for key_set in set(waiting) | set(units)
+        ),
+        key=lambda share: (share.units, share.key_set),
+    )

@@ -50,7 +50,7 @@ class WaitExplanation:
     until: datetime | None
     now: datetime
     stalled: str = ""
-    # When it will start (``forecast``): the moment every view shows.
+    # When it will start (``expected_start``): the moment every view shows.
     expected: Expected | None = None
 
     def summary(self) -> str:

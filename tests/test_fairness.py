@@ -2,11 +2,13 @@
 dispensers and restarts (SPEC invariant 5)."""
 from __future__ import annotations
 
+import io
 import threading
 from collections import Counter
 from datetime import timedelta
 
 import pytest
+from django.core.management import call_command
 from django.db import connections
 
 from dispatcher.dispenser import Dispenser
@@ -79,3 +81,21 @@ def test_several_dispensers_at_once_give_every_tenant_a_turn_in_the_first_window
     for thread in threads:
         thread.join(60)
     assert _claimed_by_tenant() == Counter({f"mail:t{tenant}": 1 for tenant in range(TENANTS)})
+
+
+def test_dispatcher_status_shows_each_tenants_share_of_the_shared_key_and_its_oldest_wait():
+    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    _send_in_tenant_order(3)
+    for _ in range(2):
+        Dispenser().run_once()
+        for call in CallQueue.objects.filter(status=CallQueue.Status.DISPATCHED):
+            execute(call.id, call.dispatch_no)
+    out = io.StringIO()
+    call_command("dispatcher_status", stdout=out)
+    text = out.getvalue()
+    assert "shares of mail over the last 1m (least served first):" in text
+    lines = [line for line in text.splitlines() if line.startswith("  mail:t")]
+    assert len(lines) == TENANTS
+    # Six calls over eight tenants: two tenants got none yet, and they are listed first.
+    assert [line.split(": ", 1)[1].split()[0] for line in lines[:2]] == ["0", "0"]
+    assert all("oldest wait" in line for line in lines)

@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import UTC
+from datetime import UTC, timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from dispatcher import liveness
 from dispatcher import status as live
-from dispatcher.durations import humanize, humanize_duration, parse_positive_duration
+from dispatcher.durations import format_duration, humanize, humanize_duration, parse_positive_duration
+from dispatcher.keys import parse_key_set
 from dispatcher.states import CallStatus as Status
 
 MAX_WATCH_ROUNDS = 100_000
@@ -87,4 +88,24 @@ class Command(BaseCommand):
                          paused, free, s.drain_text(humanize_duration)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         table = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-        return "\n".join([*lines, "", *table, *failure_lines])
+        return "\n".join([*lines, "", *table, *self.share_lines(statuses), *failure_lines])
+
+    def share_lines(self, statuses: list[live.KeyStatus]) -> list[str]:
+        """Say, for each key that key sets share, what each got over the key's window and its oldest wait."""
+        lines: list[str] = []
+        for status in statuses:
+            if not status.waiting:
+                continue
+            window = max((p.policy.period for p in status.policies), default=timedelta(minutes=1))
+            shares = live.shares_of(status.key, status.now, window)
+            if not shares:
+                continue
+            lines += ["", f"shares of {status.key} over the last {format_duration(window)} (least served first):"]
+            total = sum(share.units for share in shares) or 1
+            for share in shares:
+                keys = ", ".join(k for k in parse_key_set(share.key_set) if k != status.key) or "(this key alone)"
+                lines.append(
+                    f"  {keys}: {share.units} units ({100 * share.units / total:.0f}%), {share.waiting} waiting, "
+                    f"oldest wait {humanize_duration(share.oldest_wait)}"
+                )
+        return lines
