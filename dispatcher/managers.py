@@ -183,6 +183,10 @@ class RateLimitManager(models.Manager["RateLimit"]):
         """Lift the pause of a key (or pattern); return how many pauses were lifted."""
         return edit.resume_key(self, key)
 
+    def set_weight(self, key: str, weight: int | None) -> None:
+        """Give key sets carrying ``key`` (or a pattern's keys) ``weight`` shares of the keys they share."""
+        edit.set_weight(self, key, weight)
+
     def seed_from_settings(self) -> int:
         """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
         return edit.seed_from_settings(self)

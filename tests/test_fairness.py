@@ -8,11 +8,11 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.db import connections
 
 from dispatcher.dispenser import Dispenser
-from dispatcher.models import CallQueue, FairShare, RateLimit
+from dispatcher.models import CallQueue, FairShare, KeyState, RateLimit
 from dispatcher.worker import execute
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -99,3 +99,25 @@ def test_dispatcher_status_shows_each_tenants_share_of_the_shared_key_and_its_ol
     # Six calls over eight tenants: two tenants got none yet, and they are listed first.
     assert [line.split(": ", 1)[1].split()[0] for line in lines[:2]] == ["0", "0"]
     assert all("oldest wait" in line for line in lines)
+
+
+def test_a_tenant_with_weight_two_gets_twice_the_shared_key():
+    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    out = io.StringIO()
+    call_command("ratelimit", "weight", "mail:t1", "2", stdout=out)
+    assert out.getvalue().strip() == "weight of mail:t1: 2"
+    for tenant in (0, 1):
+        for _ in range(12):
+            CallQueue.objects.send("noop", {}, keys=["mail", f"mail:t{tenant}"])
+    for _ in range(4):
+        Dispenser().run_once()
+        for call in CallQueue.objects.filter(status=CallQueue.Status.DISPATCHED):
+            execute(call.id, call.dispatch_no)
+    assert _claimed_by_tenant() == Counter({"mail:t0": 4, "mail:t1": 8})
+
+
+def test_a_weight_is_refused_out_of_range_and_changes_nothing():
+    for bad in ("0", "1001", "two", "-1"):
+        with pytest.raises(CommandError):
+            call_command("ratelimit", "weight", "mail:*", bad)
+    assert not KeyState.objects.filter(weight__isnull=False).exists()

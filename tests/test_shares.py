@@ -109,3 +109,23 @@ def test_shared_room_is_split_fairly_window_after_window(tenants, shared_room, w
     if len(still_waiting) >= 2 and all(own_room[t] >= shared_room for t in still_waiting):
         spread = max(given[t] for t in still_waiting) - min(given[t] for t in still_waiting)
         assert spread <= max(cost[t] for t in still_waiting)
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.integers(1, 4), min_size=2, max_size=6), shared_room=st.integers(1, 10))
+def test_backlogged_key_sets_share_by_weight(weights, shared_room):
+    """Over many windows, each always-backlogged key set's units converge to its weight's share."""
+    tenants = {f"t{i}": w for i, w in enumerate(weights)}
+    served = dict.fromkeys(tenants, 0.0)
+    given = dict.fromkeys(tenants, 0)
+    windows = 40 * sum(weights)
+    for _ in range(windows):
+        room = {"shared": shared_room, **dict.fromkeys(tenants, shared_room)}
+        candidates = {t: [(t, 1)] * shared_room for t in tenants}
+        kept, _ = interleave(candidates, served, lambda call: call[1] / tenants[call[0]], _admit_within(room))
+        for tenant, units in kept:
+            given[tenant] += units
+    total, weight_sum = sum(given.values()), sum(weights)
+    for tenant, weight in tenants.items():
+        # Within one call per key set of the exact share.
+        assert abs(given[tenant] - total * weight / weight_sum) <= len(tenants), (given, tenants)

@@ -113,6 +113,8 @@ def claim_batch(
         sharing = Counter(key for text in active for key in parsed[text])
         competing = [text for text in active if any(sharing[key] > 1 for key in parsed[text])]
         turns, recent = shares.load(competing, now, manager.db)
+        weight = shares.weights(competing, parsed, manager.db) if competing else {}
+        weight.update(dict.fromkeys((text for text in active if text not in weight), 1))
         turns.update(dict.fromkeys((text for text in active if text not in turns), 0.0))
         active.sort(key=lambda text: (turns[text], text))
         given: set[str] = set()
@@ -160,7 +162,9 @@ def claim_batch(
                 return True
 
             kept, unfit = shares.interleave(
-                candidates, turns, lambda row: max((row.units(key) for key in parsed[row.key_set]), default=1), admit
+                candidates, turns,
+                lambda row: max((row.units(key) for key in parsed[row.key_set]), default=1) / weight[row.key_set],
+                admit,
             )
             given.update(row.key_set for row in kept)
             if unfit:

@@ -1,7 +1,8 @@
 """Fair shares of a shared key: key sets that compete for its room take it in turn, the least served first.
 
 Start-time fair queueing over key sets. Each key set carries ``served``: the units claimed for it
-while it competed (``FairShare``, one row per key set, kept across passes, dispensers and
+while it competed, over its weight (``ratelimit weight KEY W``: the largest weight of its keys, 1
+by default; a key set of weight 2 gets twice the units of one of weight 1) (``FairShare``, one row per key set, kept across passes, dispensers and
 restarts). A pass admits candidate calls one at a time, each from the competing key set served
 least so far (ties by key set), and adds the call's units to it. A key set that starts competing,
 or comes back after ``STALE_AFTER`` without a claim, starts level with the least served key set
@@ -21,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from dispatcher import tables
+from dispatcher.keys import is_pattern, pattern_matches
 
 # A key set that has not been given a call for this long starts again level with the others.
 STALE_AFTER = timedelta(minutes=5)
@@ -38,7 +40,7 @@ def level(stored: Mapping[str, tuple[float, datetime]], key_sets: Iterable[str],
 def interleave(
     candidates: Mapping[str, Sequence[Candidate]],
     served: dict[str, float],
-    units: Callable[[Candidate], int],
+    units: Callable[[Candidate], float],
     admit: Callable[[Candidate], bool],
 ) -> tuple[list[Candidate], list[Candidate]]:
     """Admit candidates one at a time, each from the key set served least so far; return (kept, returned).
@@ -73,6 +75,27 @@ def load(key_sets: Sequence[str], now: datetime, using: str) -> tuple[dict[str, 
     stored = {ks: (served, at) for ks, served, at in rows.values_list("key_set", "served", "updated_at")}
     recent = {ks for ks, (_, at) in stored.items() if now - at < STALE_AFTER / 2}
     return level(stored, key_sets, now), recent
+
+
+def weights(key_sets: Sequence[str], keys: Mapping[str, Sequence[str]], using: str) -> dict[str, int]:
+    """Return each key set's weight: the largest weight among its keys (an exact key's own, else the
+    most specific pattern's that matches it; 1 where none is set)."""
+    set_weights: dict[str, int] = {
+        key: weight
+        for key, weight in tables.KeyState.objects.using(using).filter(weight__isnull=False).values_list("key", "weight")
+        if weight is not None
+    }
+    if not set_weights:
+        return dict.fromkeys(key_sets, 1)
+    patterns = sorted((k for k in set_weights if is_pattern(k)), key=len, reverse=True)
+
+    def weight_of(key: str) -> int:
+        if key in set_weights and not is_pattern(key):
+            return set_weights[key]
+        found = next((p for p in patterns if pattern_matches(p, key)), None)
+        return set_weights[found] if found is not None else 1
+
+    return {ks: max((weight_of(key) for key in keys[ks]), default=1) for ks in key_sets}
 
 
 def save(served: Mapping[str, float], now: datetime, using: str) -> None:

@@ -104,6 +104,23 @@ def resume_key(manager: RateLimitManager, key: str) -> int:
     return lifted
 
 
+# A weight is a share among competitors: a thousand to one is as uneven as an operator means.
+MAX_WEIGHT = 1000
+
+
+def set_weight(manager: RateLimitManager, key: str, weight: int | None) -> None:
+    """Give the key sets that carry ``key`` (or a key a pattern matches) ``weight`` shares of a key
+    they share with others (None: the default, 1)."""
+    validate_policy_key(key)
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= MAX_WEIGHT):
+        raise ValueError(f"a weight must be a whole number between 1 and {MAX_WEIGHT}, not {weight!r}")
+    states = tables.KeyState.objects.using(manager.db)
+    with transaction.atomic(using=manager.db):
+        states.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
+        states.filter(key=key).update(weight=weight)
+        locks.wake_dispensers(using=manager.db)
+
+
 def seed_from_settings(manager: RateLimitManager) -> int:
     """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
     count = 0

@@ -81,6 +81,11 @@ class Command(BaseCommand):
         delete = sub.add_parser("delete", help="delete the policies of KEY")
         delete.add_argument("key")
         delete.add_argument("--per", default=None, help="only the policy with this period")
+        weight = sub.add_parser(
+            "weight", help="give calls carrying KEY (or a pattern's keys) W shares of a key they share with others"
+        )
+        weight.add_argument("key")
+        weight.add_argument("weight", help="a whole number from 1 to 1000, or 'default' (1)")
 
     def handle(self, *args: Any, action: str, **options: Any) -> None:
         getattr(self, f"do_{action}")(**options)
@@ -148,4 +153,11 @@ class Command(BaseCommand):
             raise CommandError(f"no policy for {key!r}" + (f" per {per}" if per else ""))
         self.stdout.write(f"deleted {deleted} polic{'y' if deleted == 1 else 'ies'} of {key}")
 
-
+    def do_weight(self, key: str, weight: str, **_: Any) -> None:
+        key = _key(key)
+        value = None if weight == "default" else _positive_int("weight")(weight)
+        try:
+            RateLimit.objects.set_weight(key, value)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        self.stdout.write(f"weight of {key}: {value or 1}" + (" (the default)" if value is None else ""))
