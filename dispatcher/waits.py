@@ -12,6 +12,7 @@ concurrency cap), on a pause ending, or on what the readings cannot say.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from django.db.models import Count, Q
 
 from dispatcher import liveness
+from dispatcher.calls import shares
 from dispatcher.clock import db_now
 from dispatcher.durations import format_moment
 from dispatcher.keys import parse_key_set
@@ -84,22 +86,41 @@ class Expected:
         return f"will start at {when}" if self.exact else f"not before {when}"
 
 
-def ahead_on_key(call: CallQueue, key: str, moment: datetime) -> int:
+def ahead_on_key(call: CallQueue, key: str, moment: datetime, now: datetime) -> int:
     """Count the waiting calls that start before ``call`` on ``key``: its own key set's earlier
-    ones, and each other key set's fair turns before it (see the module's docstring)."""
+    ones, and each other key set's calls whose fair turn comes before this call's (see the
+    module's docstring and ``calls.shares``: a key set's n-th call goes at its turn plus n over
+    its weight; a key set already served further has fewer calls before this one)."""
+    db = call._state.db or "default"
     # The call itself is left out by id: SQLite compares stored moments as text, where the column's
     # own default (milliseconds) sorts before the same moment given as a parameter (microseconds).
-    waiting = CallQueue.objects.using(call._state.db or "default").pending().filter(run_at__lte=moment).exclude(id=call.id)
+    waiting = CallQueue.objects.using(db).pending().filter(run_at__lte=moment).exclude(id=call.id)
     earlier = (
         Q(priority__gt=call.priority)
         | Q(priority=call.priority, run_at__lt=call.run_at)
         | Q(priority=call.priority, run_at=call.run_at, id__lt=call.id)
     )
     own = waiting.filter(earlier, key_set=call.key_set).count()
-    others = (
-        waiting.carrying(key).exclude(key_set=call.key_set).values("key_set").annotate(n=Count("id")).order_by()
-    )
-    return own + sum(min(row["n"], own + 1) for row in others)
+    others = {
+        row["key_set"]: row["n"]
+        for row in waiting.carrying(key).exclude(key_set=call.key_set).values("key_set").annotate(n=Count("id")).order_by()
+    }
+    if not others:
+        return own
+    competing = [call.key_set, *others]
+    turns, _ = shares.load(competing, now, db)
+    weight = shares.weights(competing, {ks: parse_key_set(ks) for ks in competing}, db)
+    mine = turns[call.key_set] + own / weight[call.key_set]
+    ahead = own
+    for key_set, n in others.items():
+        # Its j-th call (from 0) goes at turns[key_set] + j / weight: before this call while that is
+        # below this call's turn (or equal, and the key set's name sorts first, as the heap breaks ties).
+        room = (mine - turns[key_set]) * weight[key_set]
+        before = math.ceil(room) + (1 if key_set < call.key_set and room == math.ceil(room) else 0) if room > 0 else (
+            1 if room == 0 and key_set < call.key_set else 0
+        )
+        ahead += min(n, max(before, 0))
+    return ahead
 
 
 def expected_start(
@@ -121,7 +142,7 @@ def expected_start(
             if pause is not None and pause > best.at:
                 best = Expected(pause, exact, key)
             continue
-        ahead = ahead_on_key(call, key, max(call.run_at, now))
+        ahead = ahead_on_key(call, key, max(call.run_at, now), now)
         found, running = gate.read_keys({key: governing}, {key: state}, now)
         readings = found[key]
         queued = ahead + max(state.reserved_units or 0, 0)

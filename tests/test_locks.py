@@ -146,7 +146,9 @@ def test_start_waits_for_its_key_locked_elsewhere_and_defers_to_the_pause_commit
     assert started.state == "deferred" and "paused" in started.reason
     stored = CallQueue.objects.get(id=call.id)
     assert stored.status == CallQueue.Status.PENDING and stored.attempts == 0
-    assert stored.run_at == KeyState.objects.get(key="api").paused_until
+    # It keeps its place (its run_at); the pause holds it, as every dispenser reads it.
+    assert stored.run_at == call.run_at
+    assert claim(call.key_set) == []
 
 
 def test_start_waits_for_its_call_row_and_finds_it_taken_back_by_then(make_call):

@@ -194,7 +194,7 @@ def test_bad_options_are_refused_with_the_setting_named(options):
 
 
 @pytest.mark.skipif(django.VERSION >= (6,), reason="Django 6 ships django.tasks")
-def test_the_app_loads_checks_and_runs_calls_without_the_backport():
+def test_the_app_loads_checks_and_runs_calls_without_the_backport(tmp_path):
     program = (
         "import sys\n"
         "sys.modules['django_tasks'] = None  # as if the tasks extra were not installed\n"
@@ -211,8 +211,10 @@ def test_the_app_loads_checks_and_runs_calls_without_the_backport():
         "except UnknownMethod:\n"
         "    print('no task method')\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_")}
+    # The embedded default (SQLite in a folder of its own): no database server, no secret key needed.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DJANGO_") and k != "DATABASE_URL"}
     env["DJANGO_SETTINGS_MODULE"] = "project.settings"
+    env["DISPATCHER_VAR_DIR"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("no task method")

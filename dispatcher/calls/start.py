@@ -124,9 +124,10 @@ def _start_locked(
             if verdict.blocked and verdict.until is not None and verdict.until - now <= may_wait:
                 return Started(StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now)
             if verdict.blocked:
-                until = verdict.until or now + timedelta(seconds=1)
+                # Back to wait in its place (its run_at unchanged): the dispensers' own check
+                # finds no room either until the verdict's moment, so it is not claimed before.
                 deferred = manager.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
-                    status=Status.PENDING, dispatched_at=None, run_at=until
+                    status=Status.PENDING, dispatched_at=None
                 )
                 if not deferred:
                     return Started(StartState.STALE, reason="claimed by another delivery")
@@ -215,9 +216,9 @@ def _start_group(
                     StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
                 )
                 continue
-            until = verdict.until or now + timedelta(seconds=1)
+            # Back to wait in its place, as ``start`` sends one back.
             deferred = manager.filter(id=call_id, status=Status.DISPATCHED, dispatch_no=dispatch_no).update(
-                status=Status.PENDING, dispatched_at=None, run_at=until
+                status=Status.PENDING, dispatched_at=None
             )
             if not deferred:
                 raise _GroupRaced
