@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench.fairness import fair_shares
 from bench.support import (
     Broker,
     Figure,
@@ -1081,6 +1082,7 @@ ALL = {
     "memory": dispenser_memory,
     "http_latency": http_latency,
     "http_hostile": http_hostile,
+    "fair_shares": fair_shares,
 }
 
 # Run only when named with --only: experiments, not figures of the product.
