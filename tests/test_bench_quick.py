@@ -37,6 +37,7 @@ def test_quick_benchmark_loses_no_call_and_keeps_every_window_within_its_limit()
     for figure in ("dispatch throughput (Redis", "dispense pass of 100 calls", "wake-up latency", "utilisation",
                    "utilisation, token bucket", "starts in the window (window)", "starts in the window (bucket)",
                    "completed calls", "to a 100 ms API", "enqueue send_many", "enqueue send one by one", "dispenser memory",
-                   "held at the API: sliding window", "held at the API: smooth rate", "a call's steps in 1 worker"):
+                   "held at the API: sliding window", "held at the API: smooth rate", "a call's steps in 1 worker",
+                   "fair turns: 8 tenants"):
         assert figure in table
     assert "CHECK FAILED" not in table and "ERROR" not in table
