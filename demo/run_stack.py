@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             if result.returncode != 0:
                 return result.returncode
         out.write(
-            f"\nAdmin: http://{args.addr}/admin/\n"
+            f"\nAdmin: http://{args.addr}/admin/  (dashboard: http://{args.addr}/dispatcher/dashboard/)\n"
             "First admin user (in another terminal): .venv/bin/python manage.py createsuperuser\n"
             "Ctrl-C stops everything.\n\n"
         )
