@@ -68,9 +68,10 @@ bench-installed: venv
 demo: venv
 	$(BIN)/python -m demo.run_demo
 
-# Web (http://127.0.0.1:8000/admin/), worker, beat and dispenser together; Ctrl-C stops all.
+# Web (gunicorn, http://127.0.0.1:$(PORT)/admin/), worker, beat and dispenser together; Ctrl-C stops all.
+PORT ?= 8000
 run: venv
-	$(BIN)/python -m demo.run_stack
+	PORT=$(PORT) $(BIN)/python -m demo.run_stack
 
 # The Django 6.x leg of the support matrix (README, Supported versions): a second virtualenv on a
 # Python >= 3.12 with Django 6.1 over the dev requirements, running the SQLite suite (the Tasks

@@ -441,10 +441,12 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ]
         parts.append(two)
-        view.say(
-            "  fix for good without a deploy: python manage.py ratelimit set partner "
-            f"--limit {TIGHTENED_LIMIT} --per {POLICY_PER} --concurrency {CONCURRENCY}"
-        )
+        fix = f"python manage.py ratelimit set partner --limit {TIGHTENED_LIMIT} --per {POLICY_PER} --concurrency {CONCURRENCY}"
+        if args.keep:
+            # The demo's database outlives it only with --keep: name it then, and only then.
+            view.say(f"  fix for good without a deploy (this demo's kept database): DATABASE_URL=sqlite:///{work / 'db.sqlite3'} {fix}")
+        else:
+            view.say(f"  fix for good without a deploy, in your site: {fix}")
         view.say("")
         parts.append(run_learning_part(procs, partner, view, url, calls_two * 2, args.quick))
         view.say("")

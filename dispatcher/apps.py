@@ -1,8 +1,27 @@
 import logging
 
-from django.apps import AppConfig
+from django.apps import AppConfig, apps
 from django.db.backends.signals import connection_created
 from django.db.models.signals import post_migrate
+from django.urls import NoReverseMatch, Resolver404, resolve, reverse
+from django.utils.functional import lazy
+
+
+def view_site_url() -> str:
+    """Return where the admin's "View site" leads: the site's root if it routes one, else the dashboard.
+
+    A site made with startproject routes nothing at "/", so Django's default link is a 404; with
+    neither, the link is left out (Django shows none for an empty ``site_url``).
+    """
+    try:
+        resolve("/")
+        return "/"
+    except Resolver404:
+        pass
+    try:
+        return reverse("dispatcher:dashboard")
+    except NoReverseMatch:
+        return ""
 
 
 class DispatcherConfig(AppConfig):
@@ -31,6 +50,13 @@ class DispatcherConfig(AppConfig):
             if not any(isinstance(f, RedactingFilter) for f in logger.filters):
                 logger.addFilter(RedactingFilter())
         connect_worker_signals()
+        if apps.is_installed("django.contrib.admin"):
+            from django.contrib import admin
+
+            # Only Django's default: a site that chose its own "View site" keeps it. Read per page
+            # (lazily), when the URLconf is loaded.
+            if admin.site.site_url == "/":
+                admin.site.site_url = lazy(view_site_url, str)()
         from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutdown
 
         from dispatcher.httpclient import close_client, warm_client

@@ -29,14 +29,31 @@ def _release_greenlet_connection() -> None:
         connection.close()
 
 
+# What a delivery did, in the words Celery's "Task ... succeeded: '...'" line shows: the task ran to
+# its end even when the call it ran failed, so the line says what happened to the call.
+DELIVERY_OUTCOMES = {
+    "done": "done",
+    "error": "raised an error (retried while attempts remain, else failed)",
+    "failed": "failed (a permanent error)",
+    "rate_limited": "rate limited (waits again, its keys paused)",
+    "stale": "skipped (a stale or duplicate delivery)",
+    "deferred": "sent back to wait (its keys had no room)",
+}
+
+
+def describe_delivery(call_id: int, outcome: str) -> str:
+    """Say what one delivery did to its call: "call 12 failed (a permanent error)"."""
+    return f"call {call_id} {DELIVERY_OUTCOMES.get(outcome, outcome)}"
+
+
 @shared_task(name=RUN_CALL, ignore_result=True)
 def run_call(call_id: int, dispatch_no: int) -> str:
-    """Run one delivery of a call (a stale or duplicate delivery does nothing)."""
+    """Run one delivery of a call (a stale or duplicate delivery does nothing); say what it did."""
     # Workers keep their connection across tasks (CELERY_DB_REUSE_MAX); drop it here if it
     # failed or outlived CONN_MAX_AGE, as Django does at the start of a request.
     close_old_connections()
     try:
-        return execute(call_id, dispatch_no)
+        return describe_delivery(call_id, execute(call_id, dispatch_no))
     finally:
         _release_greenlet_connection()
 

@@ -27,6 +27,7 @@ from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.learning import running_call
 from dispatcher.limits import ledger
 from dispatcher.models import Attempt, CallQueue
+from dispatcher.neterrors import network_cause
 from dispatcher.registry import get_handler
 from dispatcher.running import running
 from dispatcher.states import AttemptOutcome
@@ -204,10 +205,13 @@ def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> 
             CallQueue.objects.finish_error, call, attempt, f"{_class_path(exc)}: {exc}", outcome.traceback,
             permanent=outcome.kind == AttemptOutcome.FAILED, wake=capped,
         )
+        # The kind of network failure, for the operator: the call's error keeps one text for all.
+        cause = network_cause(exc)
+        because = f" cause={cause.replace(' ', '_')}" if cause else ""
         if outcome.kind == AttemptOutcome.FAILED:
-            log.info("run_failed call=%s error=%r", call.id, exc)
+            log.info("run_failed call=%s error=%r%s", call.id, exc, because)
         else:
-            log.info("run_error call=%s attempt=%s error=%r", call.id, attempt.number, exc)
+            log.info("run_error call=%s attempt=%s error=%r%s", call.id, attempt.number, exc, because)
         return str(outcome.kind)
     _record(CallQueue.objects.finish_done, call, attempt, outcome.result, wake=capped)
     log.debug("run_done call=%s attempt=%s", call.id, attempt.number)

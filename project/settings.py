@@ -138,17 +138,31 @@ STORAGES = {
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
 }
 
+# One handler, on the root logger: every line (the dispatcher's, Django's, Celery's) is written
+# once. A handler on "dispatcher" as well printed its lines twice in a worker, where Celery gives
+# a root logger without handlers one of its own (CELERY_WORKER_HIJACK_ROOT_LOGGER=False keeps ours).
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "filters": {
+        # Beat sends dispense every 5 s (rescue every 30 s): at INFO, three lines each time.
+        "routine_tasks": {"()": "dispatcher.logfilters.QuietTasks", "tasks": ["dispatcher.dispense", "dispatcher.rescue"]},
+    },
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
     "loggers": {
-        "dispatcher": {"handlers": ["console"], "level": os.environ.get("DISPATCHER_LOG_LEVEL", "INFO")},
+        "dispatcher": {"level": os.environ.get("DISPATCHER_LOG_LEVEL", "INFO")},
         # Django's own default prints to the console only with DEBUG on (and mails ADMINS, which is
         # empty): a 500 in production would leave no trace. Here its errors (a 500's traceback
         # from django.request) reach the console, DEBUG on or off.
-        "django": {"handlers": ["console"], "level": os.environ.get("DJANGO_LOG_LEVEL", "INFO")},
+        "django": {"level": os.environ.get("DJANGO_LOG_LEVEL", "INFO")},
+        # The http handler's client logs every request at INFO; the call's row and attempt say it.
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+        "celery.beat": {"filters": ["routine_tasks"]},
+        "celery.worker.strategy": {"filters": ["routine_tasks"]},
+        "celery.app.trace": {"filters": ["routine_tasks"]},
     },
 }
 

@@ -120,11 +120,16 @@ class Processes:
                 pass
         _kill_group(proc)
 
-    def stop_all(self, timeout: float = 15) -> None:
-        """SIGTERM each group started here, wait for all within one deadline, then SIGKILL what is left."""
+    def stop_all(self, timeout: float = 15, *, leaders: bool = False) -> None:
+        """SIGTERM each group started here (with ``leaders``, each process started here, which stops
+        its own children: gunicorn's workers, Celery's pool, without "killed" errors), wait for all
+        within one deadline, then SIGKILL what is left of the groups."""
         for proc, _ in reversed(self.procs):
             if proc.poll() is None:
-                _signal_group(proc, signal.SIGTERM)
+                if leaders:
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for proc, _ in reversed(self.procs):
             try:

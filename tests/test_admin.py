@@ -526,7 +526,7 @@ def test_dashboard_refuses_bad_parameters(viewer, params):
 
 
 def test_admin_index_links_the_dashboard(viewer):
-    assert 'href="/admin/dispatcher/dashboard/"' in viewer.get("/admin/").content.decode()
+    assert 'href="/dispatcher/dashboard/"' in viewer.get("/admin/").content.decode()
 
 
 # --- calls list and page for operators (issue 15) -------------------------------------------------
@@ -664,4 +664,4 @@ def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
 @pytest.mark.parametrize("model", ["callqueue", "ratelimit"])
 def test_the_calls_and_rate_limit_lists_link_to_the_dashboard(operator, model):
     page = operator.get(f"/admin/dispatcher/{model}/").content.decode()
-    assert 'href="/admin/dispatcher/dashboard/">Dashboard</a>' in page
+    assert 'href="/dispatcher/dashboard/">Dashboard</a>' in page

@@ -15,7 +15,7 @@ FUNCTION_LOCAL_IMPORTS = {
     # AppConfig.ready(): runs once the registry is ready; these modules register checks and signals.
     ("apps", "django.utils.module_loading"), ("apps", "dispatcher"), ("apps", "dispatcher.beat"),
     ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"),
-    ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"),
+    ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"), ("apps", "django.contrib"),
     # The PostgreSQL driver: only a PostgreSQL connection needs it (SQLite runs without it installed).
     ("dispenser", "psycopg"), ("storedtimes", "psycopg.postgres"), ("storedtimes", "psycopg.pq"),
     # A Python may be built without sqlite3; the call falls back to Django's batching.

@@ -81,7 +81,7 @@ def test_the_admin_index_and_dashboard_warn_when_no_dispenser_runs(admin_client)
     heartbeat("worker", timedelta(seconds=1))
     index = admin_client.get("/admin/").content.decode()
     assert "no dispenser has run yet" in index and "1 worker running" in index
-    assert 'href="/admin/dispatcher/dashboard/"' in index
+    assert 'href="/dispatcher/dashboard/"' in index
     assert "no dispenser has run yet" in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
 
 

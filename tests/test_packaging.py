@@ -66,6 +66,28 @@ def test_the_wheel_ships_the_app_and_nothing_of_the_repository(wheel):
     assert "Requires-Python: >=3.11" in metadata
 
 
+# Run in the new site's shell: what a visitor and a staff member get from the routed pages.
+SITE_PAGES = """
+import json
+from django.contrib.auth.models import User
+from django.test import Client
+from django.test.utils import setup_test_environment
+
+setup_test_environment()  # the test client's host
+visitor, staff = Client(), Client()
+staff.force_login(User.objects.create_superuser("ops", password="not-a-secret"))
+dashboard = staff.get("/dispatcher/dashboard/")
+metrics = staff.get("/dispatcher/metrics")
+to_login = visitor.get("/dispatcher/dashboard/")
+print(json.dumps({
+    "visitor": [to_login.status_code, to_login.get("Location")],
+    "dashboard": [dashboard.status_code, "Dispatcher dashboard" in dashboard.content.decode()],
+    "metrics": [metrics.status_code, "dispatcher_" in metrics.content.decode()],
+    "view_site": '<a href="/dispatcher/dashboard/">View site</a>' in staff.get("/admin/").content.decode(),
+}))
+"""
+
+
 def _site_env(venv: Path, broker_url: str) -> dict[str, str]:
     """The environment of a user's shell: the site's virtualenv first, nothing of this repository."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DISPATCHER_", "DJANGO_", "CELERY_"))}
@@ -113,6 +135,14 @@ def test_a_startproject_site_follows_the_readme_to_paced_calls_and_tasks(wheel, 
     # The app loads, checks and migrates without Django Tasks (and, on 5.2, without the backport).
     run("python", "manage.py", "check", cwd=site)
     assert "Applying dispatcher.0001_initial... OK" in run("python", "manage.py", "migrate", cwd=site, timeout=300)
+
+    # The README's URLs: the dashboard and the metrics through dispatcher.urls, no 404 on the way.
+    (site / "mysite" / "urls.py").write_text(block("# mysite/urls.py"))
+    pages = json.loads(run("python", "manage.py", "shell", "-c", SITE_PAGES, cwd=site).strip().splitlines()[-1])
+    assert pages["visitor"] == [302, "/admin/login/?next=/dispatcher/dashboard/"]
+    assert pages["dashboard"] == [200, True]
+    assert pages["metrics"] == [200, True]
+    assert pages["view_site"]
 
     # Then the README's Tasks section: on Django 5.2 the tasks extra and the backport's app.
     if not django6:

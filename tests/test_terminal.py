@@ -54,6 +54,21 @@ def test_ratelimit_list_hides_expired_pauses():
     assert [p["key"] for p in json.loads(run("ratelimit", "list", "--json"))["pauses"]] == ["api"]
 
 
+def test_ratelimit_set_says_what_it_set_once():
+    text = run("ratelimit", "set", "slow", "--limit", "10", "--per", "1s", "--concurrency", "1")
+    assert text.strip() == "set slow: 10 per 1s (sliding window: at most 10 in any 1s); at most 1 in flight"
+    assert run("ratelimit", "set", "shop", "--limit", "2", "--per", "1s", "--burst", "40").count("2 per 1s") == 1
+
+
+def test_ratelimit_list_has_column_headers():
+    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1), 3)
+    RateLimit.objects.set_policy("shop", 2, timedelta(seconds=1), burst=40)
+    header, api, shop = run("ratelimit", "list").splitlines()
+    assert header.split() == ["KEY", "LIMIT", "PER", "SHAPE", "BURST", "CONCURRENCY"]
+    assert api.split() == ["api", "5", "1m", "window", "-", "3"]
+    assert shop.split() == ["shop", "2", "1s", "bucket", "40", "-"]
+
+
 def test_ratelimit_pause_of_an_unknown_key_is_refused_unless_created():
     RateLimit.objects.set_policy("mailgun", 5, timedelta(minutes=1))
     with pytest.raises(CommandError, match="no policy, pattern, limiter state or waiting call knows the key 'mailgnu'"):
@@ -116,6 +131,13 @@ def test_calls_list_shows_failed_calls_with_their_error(history):
     (line,) = text.splitlines()
     assert line.startswith("#") and "failed" in line and "attempts 3/3" in line and "error: HTTPError: 503" in line
     assert [c["status"] for c in json.loads(run("calls", "list", "--key", "other", "--json"))] == ["cancelled"]
+
+
+def test_calls_list_names_states_as_the_admin_does(make_call):
+    waiting = make_call()
+    (line,) = run("calls", "list").splitlines()
+    assert line.startswith(f"#{waiting.id}  waiting ") and "pending" not in line
+    assert run("calls", "list", "--status", "waiting") == run("calls", "list", "--status", "pending")
 
 
 def test_calls_retry_and_cancel_go_through_the_manager(make_call):

@@ -20,7 +20,7 @@ def dispatcher_liveness(context: dict[str, Any], problems_only: bool = False, li
         return {"show": False}
     state = liveness.read()
     try:
-        dashboard = reverse("dispatcher_dashboard") if link else ""
+        dashboard = reverse("dispatcher:dashboard") if link else ""
     except NoReverseMatch:
         dashboard = ""
     rows = [

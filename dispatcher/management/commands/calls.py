@@ -10,7 +10,8 @@ from dispatcher.clock import db_now
 from dispatcher.durations import format_moment
 from dispatcher.models import CallQueue
 
-STATUSES = tuple(CallQueue.Status.values)
+# --status takes a state's value or its label, as the admin shows it ("waiting" for "pending").
+STATUSES = {**{label.lower(): value for value, label in CallQueue.Status.choices}, **{v: v for v in CallQueue.Status.values}}
 MAX_LIMIT = 10_000
 
 
@@ -30,7 +31,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, title="actions")
         list_ = sub.add_parser("list", help="list calls, newest first")
-        list_.add_argument("--status", choices=STATUSES, default=None, help="only calls in this status")
+        list_.add_argument("--status", choices=list(STATUSES), default=None, help="only calls in this state")
         list_.add_argument("--key", default=None, help="only calls that carry this key")
         list_.add_argument("--method", default=None, help="only calls of this method")
         list_.add_argument("--limit", default="50", help=f"most calls listed (1 to {MAX_LIMIT}, default 50)")
@@ -53,7 +54,7 @@ class Command(BaseCommand):
             raise CommandError(f"--limit must be between 1 and {MAX_LIMIT}, not {count}")
         calls = CallQueue.objects.order_by("-id")
         if status:
-            calls = calls.filter(status=status)
+            calls = calls.filter(status=STATUSES[status])
         if key:
             # key_set is the sorted keys as JSON text: the quoted key matches one element exactly.
             calls = calls.carrying(key)
@@ -76,7 +77,7 @@ class Command(BaseCommand):
             error = (c.last_error.strip().splitlines() or [""])[0][:100]
             when = format_moment(c.finished_at or c.created_at, now)
             self.stdout.write(
-                f"#{c.id}  {c.status:<10} {c.method:<20} {','.join(c.keys) or '-':<24} "
+                f"#{c.id}  {c.get_status_display().lower():<10} {c.method:<20} {','.join(c.keys) or '-':<24} "
                 f"attempts {c.attempts}/{c.max_attempts}  {'finished' if c.finished_at else 'created'} {when}"
                 + (f"  error: {error}" if error else "")
             )

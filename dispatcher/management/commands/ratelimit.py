@@ -12,6 +12,9 @@ from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
 from dispatcher.limits.shapes import PolicyError
 from dispatcher.models import CallQueue, KeyState, RateLimit
 
+# The columns of `ratelimit list`: key, limit per period, shape (window or bucket), burst, concurrency.
+LIST_ROW = "{:<40} {:>8} {:<8} {:<6} {:>6} {:>11}"
+
 
 def _positive_int(name: str):
     def parse(text: str) -> int:
@@ -100,7 +103,8 @@ class Command(BaseCommand):
             policy = RateLimit.objects.set_policy(key, limit_value, period, cap, burst=depth)
         except PolicyError as exc:
             raise CommandError(str(exc)) from None
-        self.stdout.write(f"set {policy}: {policy.as_policy().explain()}")
+        in_flight = f"; at most {policy.concurrency} in flight" if policy.concurrency else ""
+        self.stdout.write(f"set {policy.key}: {policy.as_policy().explain()}{in_flight}")
 
     def do_list(self, as_json: bool = False, **_: Any) -> None:
         policies = list(RateLimit.objects.order_by("key", "period"))
@@ -121,11 +125,12 @@ class Command(BaseCommand):
             return
         if not policies:
             self.stdout.write("no policies")
+        else:
+            self.stdout.write(LIST_ROW.format("KEY", "LIMIT", "PER", "SHAPE", "BURST", "CONCURRENCY"))
         for p in policies:
-            burst = f"  burst {p.burst}" if p.burst else ""
-            cap = f"  concurrency {p.concurrency}" if p.concurrency else ""
-            shape = p.as_policy().shape
-            self.stdout.write(f"{p.key:<40} {p.limit:>8} per {format_duration(p.period):<8} {shape:<6}{burst}{cap}")
+            self.stdout.write(LIST_ROW.format(
+                p.key, p.limit, format_duration(p.period), p.as_policy().shape, p.burst or "-", p.concurrency or "-",
+            ))
         now = db_now()
         for key, until, reason in pauses:
             why = f" ({reason})" if reason else ""
