@@ -345,7 +345,9 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
 
     @admin.display(description="next try", ordering="run_at")
     def next_try(self, call: CallQueue) -> str:
-        """When a waiting call can start: its run_at, or later when a key's limit or pause blocks it."""
+        """The earliest a waiting call can start, as a lower bound: its run_at, and every key's next
+        free slot (``status``: held-aware); the call's own page says exactly when, counting the calls
+        ahead of it (``waits.expected_start``), which a list of a hundred calls cannot afford."""
         if call.status != CallQueue.Status.PENDING:
             return "-"
         now = self._now()
@@ -355,15 +357,15 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         moment, held = max(call.run_at, now), ""
         for key in call.keys:
             status = statuses.get(key)
-            if status is None or not status.blocked:
+            if status is None or not status.waiting:
                 continue
             if status.next_free_at is None:
                 return f"when a call in flight of {key} finishes"
             if status.next_free_at > moment:
-                moment, held = status.next_free_at, f" (limit of {key})"
+                moment, held = status.next_free_at, f" ({status.held_by or key})"
         if moment <= now:
             return "due now"
-        return f"{format_moment(moment, now)}{held}"
+        return f"not before {format_moment(moment, now)}{held}"
 
     @admin.display(description="error")
     def error(self, call: CallQueue) -> str:
@@ -472,8 +474,10 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         if not held:
             return ""
         call, first = held[0]
-        when = "when a call in flight finishes" if first.until is None else f"at {format_moment(first.until, first.now)}"
-        text = f"Call #{call.id} still waits: {first.reasons[0].text}; it will start {when}."
+        when = first.expected.text(format_moment, first.now) if first.expected is not None else ""
+        if first.until is None:
+            when = f"waits until a call in flight finishes ({when})"
+        text = f"Call #{call.id} still waits: {first.reasons[0].text}; {when}."
         if len(held) > 1:
             text += f" {len(held) - 1} more of the calls wait for their keys' limits too."
         return text

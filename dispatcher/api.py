@@ -98,6 +98,11 @@ def call_data(call: Any) -> dict[str, Any]:
         data["waiting"] = {
             "reasons": [{"kind": r.kind, "key": r.key or None, "text": r.text} for r in explanation.reasons],
             "until": explanation.until.isoformat() if explanation.until else None,
+            # When it will start: "at" exactly, or not before it when "exact" is false.
+            "expected": {
+                "at": explanation.expected.at.isoformat(), "exact": explanation.expected.exact,
+                "key": explanation.expected.key or None, "ahead": explanation.expected.ahead,
+            } if explanation.expected is not None else None,
             "stalled": explanation.stalled or None,
         }
     return data

@@ -537,7 +537,7 @@ def test_next_try_shows_when_a_limit_lets_the_call_start(operator, make_call):
     log_starts("api", [db_now() - timedelta(minutes=1)])
     make_call()
     row = operator.get(CALLS).content.decode()
-    assert "UTC (in 59 min) (limit of api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
+    assert "not before 20" in row and "UTC (in 59 min) (api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
 
 
 def test_age_of_a_finished_call_is_created_to_finished(operator, make_call):
@@ -604,7 +604,7 @@ def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator, make_
     call = make_call(run_at=db_now() + timedelta(minutes=5))
     text = run_action(operator, CALLS, "retry_now", [call.id]).content.decode()
     assert "1 call is due now." in text
-    assert f"Call #{call.id} still waits: key api: 1 per 1h used" in text and "it will start at 20" in text
+    assert f"Call #{call.id} still waits: key api: 1 per 1h used" in text and "will start at 20" in text
     assert "UTC (in 30 min)." in text
 
 

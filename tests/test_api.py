@@ -94,3 +94,17 @@ def test_the_example_view_sends_a_call_like_an_apps_own_view(client):
     assert accepted.status_code == 202
     call = CallQueue.objects.get(pk=accepted.json()["id"])
     assert call.method == "http" and call.keys == [f"partner:{user.pk}"]
+
+
+def test_a_waiting_calls_status_says_when_it_will_start_counting_the_calls_ahead(client):
+    from datetime import timedelta
+
+    from dispatcher.models import RateLimit
+
+    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1))
+    ids = [post(client, {"method": "greet", "params": {"name": "ada"}}).json()["id"] for _ in range(3)]
+    waiting = client.get(f"/api/calls/{ids[2]}/", HTTP_AUTHORIZATION=f"Bearer {TOKEN}").json()["waiting"]
+    expected = waiting["expected"]
+    assert expected["exact"] and expected["ahead"] == 2 and expected["key"] in ("greeter", "greeter:ada")
+    assert waiting["until"] == expected["at"]
+    assert any(r["kind"] == "queued" and "2 calls ahead" in r["text"] for r in waiting["reasons"])
