@@ -152,7 +152,10 @@ def expected_start(
             exact = False
         at = max(now, pause or now)
         for policy, reading in zip(governing, readings, strict=True):
-            frees = policy.queue_frees_at(reading, now, queued, call.cost_of(key))
+            need = call.cost_of(key)
+            if any(policy is learnt for learnt in policies.learnt.get(key, ())):
+                need = min(need, policy.capacity())  # the API's own limit: a costlier call goes alone (gate)
+            frees = policy.queue_frees_at(reading, now, queued, need)
             if frees is None:
                 exact = False
                 continue

@@ -38,7 +38,8 @@ def test_ratelimit_set_with_a_burst_makes_a_token_bucket_and_list_shows_it():
     assert "smooth rate: one every 200ms" in out.getvalue()
     listed = StringIO()
     call_command("ratelimit", "list", stdout=listed)
-    assert "bucket  burst 40" in listed.getvalue()
+    shop = next(line for line in listed.getvalue().splitlines() if line.startswith("shop "))
+    assert shop.split() == ["shop", "2", "1s", "bucket", "40", "-"]
     listed = StringIO()
     call_command("ratelimit", "list", "--json", stdout=listed)
     assert '"shape": "bucket"' in listed.getvalue() and '"burst": 40' in listed.getvalue()

@@ -260,6 +260,21 @@ def check_key(
     for policy, reading in zip(governing, readings, strict=True):
         room = policy.room(reading, now, reserved_units)
         alone = policy.alone(reading, now, reserved_units)
+        learnt = any(policy is p for p in policies.learnt.get(key, ()))
+        if learnt and room >= policy.capacity():
+            # An API may announce less than one call costs: in a window empty of others, one call
+            # of any cost goes alone (refusing it until the lesson expires would hold it an hour
+            # under a reason that says it frees sooner).
+            alone = UNLIMITED
+        if learnt and cost > policy.capacity():
+            if room >= policy.capacity():
+                verdicts.append(Verdict(room=cost, key=key, alone=UNLIMITED))
+                continue
+            verdicts.append(Verdict(
+                room=0, until=policy.frees_at(reading, now, policy.capacity(), reserved_units),
+                reason=f"{policy.label()} used", key=key, kind=WaitKind.LEARNT,
+            ))
+            continue
         if room >= cost:
             verdicts.append(Verdict(room=room, key=key, alone=alone if alone > room else None))
             continue
@@ -268,7 +283,6 @@ def check_key(
             verdicts.append(Verdict(room=cost, key=key, alone=alone))
             continue
         until = policy.frees_at(reading, now, cost, reserved_units)
-        learnt = any(policy is p for p in policies.learnt.get(key, ()))
         verdicts.append(Verdict(
             room=0, until=until, reason=f"{policy.label()} used", key=key, kind=WaitKind.LEARNT if learnt else WaitKind.RATE,
         ))
