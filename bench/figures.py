@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.fairness import fair_shares
+from bench.hotkey import hot_key
 from bench.support import (
     Broker,
     Figure,
@@ -1083,6 +1084,7 @@ ALL = {
     "http_latency": http_latency,
     "http_hostile": http_hostile,
     "fair_shares": fair_shares,
+    "hot_key": hot_key,
 }
 
 # Run only when named with --only: experiments, not figures of the product.
