@@ -17,7 +17,8 @@ def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
         # predate any lock wait and let two dispensers judge one window at different times.
         with connection.cursor() as cursor:
             cursor.execute(READ_CLOCK)
-            return cursor.fetchone()[0]
+            moment: datetime = cursor.fetchone()[0]
+            return moment
     # SQLite is a file on this machine, so its clock is this machine's clock.
     return timezone.now()
 

@@ -5,7 +5,7 @@ import os
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings as django_settings
 from django.core.signals import setting_changed
@@ -41,10 +41,13 @@ def _as_optional_int(value: Any) -> int | None:
     return int(value)
 
 
-class Setting:
+T = TypeVar("T")
+
+
+class Setting(Generic[T]):
     """One setting: its default, its parser and the line the README shows for it."""
 
-    def __init__(self, default: Any, parse: Callable[[Any], Any], doc: str):
+    def __init__(self, default: Any, parse: Callable[[Any], T], doc: str):
         self.default = default
         self.parse = parse
         self.doc = doc
@@ -53,7 +56,13 @@ class Setting:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> Setting[T]: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, instance: object | None, owner: type | None = None) -> Setting[T] | T:
         if instance is None:
             return self
         full = f"DISPATCHER_{self.name}"

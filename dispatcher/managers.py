@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["BatchClaim", "CallQueueManager", "CallQueueQuerySet", "Claimed", "RateLimitManager", "RescueReport", "Started"]
 
 
-class CallQueueQuerySet(models.QuerySet):
+class CallQueueQuerySet(models.QuerySet["CallQueue"]):
     """Calls filtered by state."""
 
     def pending(self) -> CallQueueQuerySet:
@@ -49,7 +49,10 @@ class CallQueueQuerySet(models.QuerySet):
         return self.filter(status=Status.PENDING, run_at__lte=now)
 
 
-class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type: ignore[misc]
+_CallQueueManagerBase = models.Manager.from_queryset(CallQueueQuerySet)
+
+
+class CallQueueManager(_CallQueueManagerBase):
     """Send, claim, start, finish, rescue, prune, retry and cancel calls (the one writer of ``status``)."""
 
     def send(

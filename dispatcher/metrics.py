@@ -22,7 +22,7 @@ from datetime import timedelta
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from django.http import HttpRequest, HttpResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dispatcher import liveness
@@ -41,14 +41,14 @@ WAIT_BUCKETS = (0.1, 0.5, 1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 21600.0, 8
 class DispatcherCollector(Collector):
     """Collect the dispatcher's metrics from the database at each scrape."""
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         yield from self._calls()
         yield from self._attempts()
         yield self._wait_histogram()
         yield from self._limiter()
         yield from self._liveness()
 
-    def _calls(self) -> Iterator:
+    def _calls(self) -> Iterator[Metric]:
         by_status = GaugeMetricFamily("dispatcher_calls", "Calls stored, by status.", labels=["status"])
         counts = dict(CallQueue.objects.values_list("status").annotate(n=Count("id")).order_by())
         for status in CallQueue.Status.values:
@@ -72,7 +72,7 @@ class DispatcherCollector(Collector):
             by_key.add_metric([key, status], n)
         yield by_key
 
-    def _attempts(self) -> Iterator:
+    def _attempts(self) -> Iterator[Metric]:
         outcomes = dict(Attempt.objects.values_list("outcome").annotate(n=Count("id")).order_by())
         started = CounterMetricFamily("dispatcher_calls_started", "Attempts started (retries included).")
         started.add_metric([], sum(outcomes.values()))
@@ -113,7 +113,7 @@ class DispatcherCollector(Collector):
             sum_value=max(seconds, 0.0),
         )
 
-    def _limiter(self) -> Iterator:
+    def _limiter(self) -> Iterator[Metric]:
         statuses = live.key_statuses(now=db_now())
         utilisation = GaugeMetricFamily(
             "dispatcher_limiter_utilisation",
@@ -150,7 +150,7 @@ class DispatcherCollector(Collector):
             paused.add_metric([key], 1 if s.paused_until else 0)
         yield from (utilisation, used, limit, burst, in_flight, paused, learnt)
 
-    def _liveness(self) -> Iterator:
+    def _liveness(self) -> Iterator[Metric]:
         state = liveness.read()
         alive = GaugeMetricFamily(
             "dispatcher_processes_alive", "Dispensers and workers whose heartbeat is within the timeout.", labels=["kind"]

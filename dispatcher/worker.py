@@ -108,7 +108,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
         started = _record(_combined_start, call_id, dispatch_no, worker=worker)
     if started.state != StartState.STARTED:
         log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, started.state, started.reason)
-        return started.state
+        return str(started.state)
     call, attempt = started.call, started.attempt
     assert call is not None and attempt is not None
     # DEBUG, as run_done: the attempt's row keeps the same (number, worker, start and finish) and

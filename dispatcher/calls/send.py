@@ -81,7 +81,7 @@ def _int_argument(name: str, value: Any, low: int, high: int) -> int:
         raise InvalidCall(f"{name} must be a whole number, not {value!r}")
     if not low <= value <= high:
         raise InvalidCall(f"{name} must be between {low} and {high}, not {value}")
-    return value
+    return int(value)
 
 
 def _clean_queue(queue: Any) -> str:
@@ -158,7 +158,7 @@ def _clean_call(
     return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at, units)
 
 
-def _bulk_create_whole(manager: models.Manager, objs: list[Any]) -> list[Any]:
+def _bulk_create_whole(manager: models.Manager[Any], objs: list[Any]) -> list[Any]:
     """bulk_create in one INSERT where the SQLite library allows it.
 
     Django batches SQLite inserts at 999 variables (old SQLite's compile-time limit); the
@@ -191,7 +191,7 @@ def send_one(
     call = _clean_call(_SendSettings(manager.db), method, params, **options)
     if schema.postgresql_path(manager.db):
         return insert_one(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
-    row = manager.model(**call.fields(Status.PENDING))
+    row: CallQueue = manager.model(**call.fields(Status.PENDING))
     row.save(force_insert=True, using=manager.db)
     return row
 

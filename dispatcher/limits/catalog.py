@@ -6,7 +6,7 @@ import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
 from django.db import connections, models
@@ -103,7 +103,7 @@ class Policies:
         return policies, rows[0][0]
 
     @classmethod
-    def _from_db_rows(cls, rows: Iterable[tuple]) -> Policies:
+    def _from_db_rows(cls, rows: Iterable[tuple[Any, ...]]) -> Policies:
         guard = dispatcher_settings.ARRIVAL_GUARD
         policies: list[PolicyShape] = []
         pattern_pauses: dict[str, datetime] = {}
@@ -202,7 +202,7 @@ class Policies:
         return None
 
 
-def _policies_query(db: str) -> models.QuerySet:
+def _policies_query(db: str) -> models.QuerySet[Any, Any]:
     """The policies, then the pattern pauses with the policy columns empty, then the unexpired
     learnt limits marked by a concurrency of ``LEARNT``: one round trip."""
     policies = tables.RateLimit.objects.using(db).order_by().annotate(until=models.Value(None, models.DateTimeField())).values_list(
@@ -222,9 +222,10 @@ def _policies_query(db: str) -> models.QuerySet:
 
 
 @functools.cache
-def policies_statement(db: str) -> tuple[str, tuple]:
+def policies_statement(db: str) -> tuple[str, tuple[Any, ...]]:
     query = _policies_query(db).query
-    return query.get_compiler(using=db).as_sql()
+    text, params = query.get_compiler(using=db).as_sql()
+    return str(text), tuple(params)
 
 
 # The policies each database's last reading in this process found, and their version (see

@@ -101,7 +101,8 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
                 lock_keys(list(spans), using=db)
             with connections[db].cursor() as cursor:
                 cursor.execute(limit_sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
-                return cursor.rowcount
+                written: int = cursor.rowcount
+                return written
     written = 0
     states = tables.KeyState.objects.using(db)
     with transaction.atomic(using=db):

@@ -1,4 +1,6 @@
 """On PostgreSQL, a statement-level trigger wakes dispensers when calls are inserted."""
+from typing import Any
+
 from django.db import migrations
 
 CREATE = """
@@ -17,13 +19,13 @@ DROP FUNCTION IF EXISTS dispatcher_wake();
 """
 
 
-def forwards(apps, schema_editor):
+def forwards(apps: Any, schema_editor: Any) -> None:
     # NOTIFY is delivered at commit, so a send() inside a rolled-back transaction wakes nobody.
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(CREATE)
 
 
-def backwards(apps, schema_editor):
+def backwards(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(DROP)
 

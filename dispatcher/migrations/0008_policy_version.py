@@ -8,6 +8,8 @@ commits, and no number comes back, not even after a rolled-back edit (a sequence
 back), nor for two edits in one transaction. The table has no model, so a flush of the test
 database (TRUNCATE, which fires the triggers of the tables it empties) keeps its row.
 """
+from typing import Any
+
 from django.db import migrations
 
 CREATE = """
@@ -43,12 +45,12 @@ DROP SEQUENCE IF EXISTS dispatcher_policy_version_seq;
 """
 
 
-def forwards(apps, schema_editor):
+def forwards(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(CREATE)
 
 
-def backwards(apps, schema_editor):
+def backwards(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(DROP)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from typing import Any
+
 from django.apps import apps
 from django.db import connections
 from django.db.models import Field
@@ -30,9 +32,10 @@ def postgresql_path(alias: str) -> bool:
     return connections[alias].vendor == "postgresql"
 
 
-def meta(model: str) -> Options:
+def meta(model: str) -> Options[Any]:
     # Looked up in the app registry rather than imported: this module sits below the models.
-    return apps.get_model("dispatcher", model)._meta
+    options: Options[Any] = apps.get_model("dispatcher", model)._meta
+    return options
 
 
 def quote(name: str) -> str:
@@ -45,7 +48,7 @@ def table(model: str) -> str:
     return quote(meta(model).db_table)
 
 
-def field_of(model: str, name: str) -> Field:
+def field_of(model: str, name: str) -> Field[Any, Any]:
     """Return a dispatcher model's field that has a column of its own."""
     found = meta(model).get_field(name)
     if not isinstance(found, Field) or not found.column:
@@ -75,7 +78,7 @@ def assignments(model: str, values: Mapping[str, str]) -> str:
     return ", ".join(f"{column(model, name)} = {value}" for name, value in values.items())
 
 
-def pg_type(field: Field) -> str:
+def pg_type(field: Field[Any, Any]) -> str:
     """Return the PostgreSQL type a parameter for the field is cast to (unbounded where the column is bounded)."""
     kind = field.get_internal_type()
     if kind == "JSONField":

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatcher.clock import db_now
 from dispatcher.durations import format_moment
@@ -28,7 +28,7 @@ def _call_id(text: str) -> int:
 class Command(BaseCommand):
     help = "List calls (e.g. the failed ones), retry them now, or cancel waiting ones."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, title="actions")
         list_ = sub.add_parser("list", help="list calls, newest first")
         list_.add_argument("--status", choices=list(STATUSES), default=None, help="only calls in this state")

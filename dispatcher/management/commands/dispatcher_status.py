@@ -6,7 +6,7 @@ import time
 from datetime import UTC, timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatcher import liveness
 from dispatcher import status as live
@@ -23,7 +23,7 @@ class Command(BaseCommand):
         "waiting, oldest wait, paused until, next free slot, and recent failures per key."
     )
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--json", action="store_true", dest="as_json", help="print JSON for scripts")
         parser.add_argument("--watch", nargs="?", const="2s", default=None, metavar="INTERVAL",
                             help="refresh every INTERVAL (default 2s) until interrupted")

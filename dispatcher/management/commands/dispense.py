@@ -5,7 +5,7 @@ import signal
 import threading
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatcher.dispenser import Dispenser
 
@@ -13,7 +13,7 @@ from dispatcher.dispenser import Dispenser
 class Command(BaseCommand):
     help = "Run one dispense pass, or with --loop a long-running dispenser until SIGTERM/SIGINT."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--loop", action="store_true", help="keep dispensing until SIGTERM or SIGINT")
         parser.add_argument("--batch", type=int, default=None, help="most calls moved per pass")
         parser.add_argument("--max-passes", type=int, default=None, help="with --loop: stop after this many passes")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.durations import format_duration, parse_duration
@@ -17,7 +17,7 @@ MAX_BATCH = 1_000_000
 class Command(BaseCommand):
     help = "Delete finished calls (and their attempts) older than the retention, in bounded batches."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--older-than", default=None, help="age of finished calls to delete (default DISPATCHER_RETENTION)")
         parser.add_argument("--dry-run", action="store_true", help="count what would be deleted, delete nothing")
         parser.add_argument("--batch", type=int, default=None, help="rows per transaction (default DISPATCHER_PRUNE_BATCH)")

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment, parse_positive_duration
@@ -16,7 +18,7 @@ from dispatcher.models import CallQueue, KeyState, RateLimit
 LIST_ROW = "{:<40} {:>8} {:<8} {:<6} {:>6} {:>11}"
 
 
-def _positive_int(name: str):
+def _positive_int(name: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -29,8 +31,8 @@ def _positive_int(name: str):
     return parse
 
 
-def _duration(name: str):
-    def parse(text: str):
+def _duration(name: str) -> Callable[[str], timedelta]:
+    def parse(text: str) -> timedelta:
         try:
             return parse_positive_duration(text)
         except ValueError as exc:
@@ -60,7 +62,7 @@ def _known(key: str) -> bool:
 class Command(BaseCommand):
     help = "Set, list, pause, resume and delete rate-limit policies."
 
-    def add_arguments(self, parser) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         sub = parser.add_subparsers(dest="action", required=True, title="actions")
         set_ = sub.add_parser("set", help="create or update the policy of KEY for one period")
         set_.add_argument("key", help="an exact key, or a pattern ending in '*'")
