@@ -36,6 +36,7 @@ def _forget_learnt_limits():
     from dispatcher import learning
 
     learning._stored.clear()
+    learning._new_lessons.clear()
 
 
 @pytest.fixture
