@@ -156,7 +156,7 @@ class RefuseUnstorableMixin(admin.ModelAdmin):
             if isinstance(item, type) and issubclass(item, admin.SimpleListFilter):
                 offered.add(str(item.parameter_name))
             else:
-                name = item[0] if isinstance(item, (list, tuple)) else item
+                name = str(item[0] if isinstance(item, (list, tuple)) else item)
                 offered.update({name, f"{name}__exact", f"{name}__isnull"})  # the bare name is __exact
         if self.date_hierarchy:
             offered.update(f"{self.date_hierarchy}__{part}" for part in ("year", "month", "day"))
@@ -278,7 +278,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         ]
         return urls + super().get_urls()
 
-    def keys_view(self, request: HttpRequest) -> JsonResponse:
+    def keys_view(self, request: HttpRequest) -> HttpResponse:
         """Suggest keys for the key filter, by text they contain."""
         if not self.has_view_permission(request):
             raise PermissionDenied
