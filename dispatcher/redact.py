@@ -64,8 +64,8 @@ _MEMBER = re.compile(
     r"(?:\"(?P<dq>(?:[^\"\\]++|\\.)*+)\"|'(?P<sq>(?:[^'\\]++|\\.)*+)'|(?P<bare>[^\s,}\]\"']++))"
 )
 # Name: value on a header line (the rest of the line), or inside a sentence (up to a space or quote).
-_HEADER = re.compile(r"(?m)^(?P<lead>[ \t]*+)(?P<name>[A-Za-z0-9_\-]{1,100}):[ \t]*+(?P<value>[^\r\n]*)")
-_INLINE_HEADER = re.compile(r"(?<![A-Za-z0-9_\-])(?P<name>[A-Za-z0-9_\-]{1,100}):[ \t]*+(?P<value>[^\s'\",;]++)")
+_HEADER = re.compile(r"(?m)^(?P<lead>[ \t]*+)(?P<name>[A-Za-z0-9_%\-]{1,100}):[ \t]*+(?P<value>[^\r\n]*)")
+_INLINE_HEADER = re.compile(r"(?<![A-Za-z0-9_%\-])(?P<name>[A-Za-z0-9_%\-]{1,100}):[ \t]*+(?P<value>[^\s'\",;]++)")
 # <name attr="...">value</name>
 _ELEMENT = re.compile(
     r"<(?P<tag>[A-Za-z_][\w.\-:]{0,100})(?P<attrs>\s[^<>]{0,1000})?>(?P<value>[^<]*+)</(?P=tag)\s*>"
