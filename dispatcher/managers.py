@@ -18,7 +18,7 @@ from django.db.models import F, Q
 from dispatcher import arrivals, limiter, sql, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.costs import clean_cost
+from dispatcher.costs import bounded_charge, clean_cost
 from dispatcher.durations import parse_positive_duration
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, InvalidKey, InvalidParams
 from dispatcher.folded import Folded, folding, start_transaction
@@ -1014,7 +1014,7 @@ class CallQueueManager(models.Manager.from_queryset(CallQueueQuerySet)):  # type
                         continue
                     if delta < 0 and later is None:
                         later = self._starts_after(key, call, start)
-                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -delta, later or ())
+                    tat = policy.refund(limiter.from_us(bucket.tat_us), now, -bounded_charge(delta, policy.capacity()), later or ())
                     if tat is not None:
                         buckets.filter(id=bucket.id).update(tat_us=limiter.to_us(tat))
             if any(delta < 0 for delta in deltas.values()):
