@@ -52,6 +52,7 @@ MAX_LEARNT_PER_KEY = 8
 # not one per answer. A repeated lesson is not new and only refreshes (see REFRESH).
 NEW_LESSONS_PER_MINUTE = 12
 _new_lessons: dict[str, tuple[int, set[tuple[int, float | None]]]] = {}
+_throttled: dict[tuple[str, ...], int] = {}
 
 
 @contextmanager
@@ -165,8 +166,13 @@ def _admitted_lessons(
                 seen.add(lesson)
                 _new_lessons[key] = (minute, seen)
             kept.append((limit, period))
-    if len(kept) < len(windows):
-        log.warning("learn_throttled keys=%s dropped=%d", ",".join(keys), len(windows) - len(kept))
+    if len(kept) < len(windows) and _throttled.get(keys) != minute:
+        # Once per key set and minute: the log must not grow with the answers either.
+        if len(_throttled) > MAX_REMEMBERED:
+            _throttled.clear()
+        _throttled[keys] = minute
+        log.warning("learn_throttled keys=%s dropped=%d (more new lessons this minute are dropped)",
+                    ",".join(keys), len(windows) - len(kept))
     return kept
 
 

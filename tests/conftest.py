@@ -37,6 +37,7 @@ def _forget_learnt_limits():
 
     learning._stored.clear()
     learning._new_lessons.clear()
+    learning._throttled.clear()
 
 
 @pytest.fixture

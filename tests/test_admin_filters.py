@@ -111,6 +111,7 @@ def test_any_query_string_either_applies_an_offered_filter_or_is_refused(viewer,
     name = "__".join([field, *parts])
     response = viewer.get(f"{CALLS}?{quote(name)}={quote(value, safe='')}")
     assert response.status_code in (200, 302, 400)
-    assert SECRET not in response.content.decode()
+    if SECRET not in value:  # a page may show the user's own query back
+        assert SECRET not in response.content.decode()
     if response.status_code == 200 and name not in {"state", "key", "method", "method__exact", "method__isnull", "o", "p", "q", "_facets", "e"}:
         pytest.fail(f"{name} was applied though the list does not offer it")
