@@ -31,6 +31,10 @@ import re
 from typing import Any
 from urllib.parse import quote, unquote
 
+from django.conf import settings
+
+from dispatcher.conf import dispatcher_settings
+
 REDACTED = "********"
 SECRET_NAME = re.compile(
     r"(pass(word|wd|phrase)?|secret|token|api[-_]?key|access[-_]?key|subscription[-_]?key|auth(orization)?|cookie"
@@ -113,10 +117,6 @@ def secret_parts(secret: str) -> list[str]:
 def known_secrets() -> list[str]:
     """Return the values of the secrets the http handler may send (DISPATCHER_HTTP_SECRETS), in every echoed form."""
     try:
-        from django.conf import settings
-
-        from dispatcher.conf import dispatcher_settings
-
         names = {entry.partition("@")[0].partition(":")[0].strip() for entry in dispatcher_settings.HTTP_SECRETS}
         values = [getattr(settings, name, None) or os.environ.get(name) for name in names if name]
     except Exception:  # settings not ready or unreadable: the patterns still apply
