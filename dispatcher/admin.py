@@ -138,12 +138,33 @@ class KeyFilter(admin.SimpleListFilter):
         return queryset.filter(key_set__contains=key_in_set(key))
 
 
-class RefuseUnstorableMixin:
-    """Answer 400 to a list request holding what no column can: a NUL, or a selected id past bigint.
+class RefuseUnstorableMixin(admin.ModelAdmin):
+    """Apply only the filters a list offers; answer 400 to a NUL, or a selected id past bigint.
 
+    Django's ``lookup_allowed`` accepts any lookup on a local field from the query string
+    (``?params__json__password__startswith=h``, ``?last_error__regex=``, ``?run_at__year=99999``):
+    a view-only user could read a redacted value one character at a time, or make a 500. Here
+    a list takes exactly the parameters of its ``list_filter`` (and ``date_hierarchy``); any other
+    lookup is refused with a 400 (Django's ``DisallowedModelAdminLookup``) before a query runs.
     Django passes filter values and selected ids to the database as they come; PostgreSQL
     refuses a NUL in text, SQLite an integer past 64 bits, and either would answer 500.
     """
+
+    def offered_lookups(self, request: HttpRequest | None) -> set[str]:
+        """Return the query-string parameters this list's filters read, and no other."""
+        offered: set[str] = set()
+        for item in self.get_list_filter(request) if request is not None else self.list_filter:
+            if isinstance(item, type) and issubclass(item, admin.SimpleListFilter):
+                offered.add(str(item.parameter_name))
+            else:
+                name = str(item[0] if isinstance(item, (list, tuple)) else item)
+                offered.update({name, f"{name}__exact", f"{name}__isnull"})  # the bare name is __exact
+        if self.date_hierarchy:
+            offered.update(f"{self.date_hierarchy}__{part}" for part in ("year", "month", "day"))
+        return offered
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        return lookup in self.offered_lookups(request)
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         for params in (request.GET, request.POST):
@@ -152,7 +173,7 @@ class RefuseUnstorableMixin:
         for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
             if not (value.isascii() and value.isdigit() and len(value) <= 19 and int(value) <= MAX_ID):
                 return HttpResponseBadRequest("Selected ids must be whole numbers of a row.", content_type="text/plain")
-        return super().changelist_view(request, extra_context)  # type: ignore[misc]
+        return super().changelist_view(request, extra_context)
 
 
 def known_keys(term: str, limit: int = 20) -> list[str]:
@@ -258,11 +279,13 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         ]
         return urls + super().get_urls()
 
-    def keys_view(self, request: HttpRequest) -> JsonResponse:
+    def keys_view(self, request: HttpRequest) -> HttpResponse:
         """Suggest keys for the key filter, by text they contain."""
         if not self.has_view_permission(request):
             raise PermissionDenied
         term = request.GET.get("term", "").strip()[:200]
+        if "\x00" in term:
+            return HttpResponseBadRequest("A query value holds a NUL character.", content_type="text/plain")
         return JsonResponse({"keys": known_keys(term) if term else []})
 
     def retry_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
@@ -746,7 +769,7 @@ if admin.site.index_template is None:
 
 
 @admin.register(LearntLimit)
-class LearntLimitAdmin(admin.ModelAdmin):
+class LearntLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
     """Limits the APIs announced in their answers; the dispatcher writes them, nobody edits them."""
 
     list_display = ("key", "limit", "period", "expires_at", "source", "signal", "observed_at")

@@ -29,6 +29,24 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[Error]:
     return errors
 
 
+@register()
+def check_wildcard_hosts(app_configs: Any = None, **kwargs: Any) -> list[Warning]:
+    """Warn about an allow-list entry that opens every host."""
+    try:
+        rules = host_rules(dispatcher_settings.HTTP_ALLOWED_HOSTS)
+    except (TypeError, ValueError):
+        return []  # reported by check_settings
+    return [
+        Warning(
+            f"DISPATCHER_HTTP_ALLOWED_HOSTS has {rule.pattern}{':*' if rule.any_port else ''!s}: the http handler may call "
+            "any public host (loopback, private, link-local and metadata addresses stay closed unless listed literally).",
+            hint="List the APIs' hosts (api.example.com, .example.com) instead.",
+            id="dispatcher.W002",
+        )
+        for rule in rules if rule.pattern == "*"
+    ]
+
+
 def _http_errors() -> list[Error]:
     """Report allow-list and secret entries the http handler cannot read."""
     errors = []

@@ -69,6 +69,17 @@ def _reported_units(value: Any, what: str) -> None:
         raise InvalidCost(f"{what} must be a whole number between 0 and {MAX_UNITS}, not {value!r}")
 
 
+def bounded_charge(delta: int, capacity: int) -> int:
+    """Return the units a cost correction may charge a token bucket: a refund whole, an extra charge at most its capacity.
+
+    A reported cost can be anything up to MAX_UNITS; charged whole, ``report_cost(2**31-1)`` on a
+    2-per-second bucket owed tokens until 2062 (and a 3650-day period overflowed the datetime).
+    No call of more than the bucket's capacity could ever have started, so no correction charges
+    more: the bucket owes at most one full refill.
+    """
+    return delta if delta <= 0 else min(delta, max(capacity, 1))
+
+
 def take_reported() -> Any:
     """Return the cost the handler reported for the call that just ran (None if none), and forget it."""
     value = _reported.get()

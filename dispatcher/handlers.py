@@ -18,8 +18,8 @@ from django.http.request import validate_host
 from dispatcher import PermanentError, RateLimited, arrivals, handler, httpclient, learning, ratelimit_headers
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
-from dispatcher.httpclient import get_client, read_body
-from dispatcher.redact import REDACTED, SECRET_NAME
+from dispatcher.httpclient import get_client, is_internal, read_body
+from dispatcher.redact import SECRET_NAME, scrub, secret_parts
 
 try:  # registers the ``task`` method; a site without Django Tasks (Django 5.2, no backport) has none
     from dispatcher import backends  # noqa: F401
@@ -80,7 +80,20 @@ class HostRule:
         effective = port if port is not None else DEFAULT_PORTS[scheme]
         if not (self.any_port or effective == (self.port if self.port is not None else DEFAULT_PORTS[scheme])):
             return False
+        address = ip_literal(host)
+        if address is not None and is_internal(address):
+            # A pattern (``*``, ``.0.0.1``) never opens a loopback, private, link-local,
+            # unspecified or metadata address: only that address listed literally does.
+            return ip_literal(self.pattern) == address
         return validate_host(host, [self.pattern])
+
+
+def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """Return the address a host names literally (``[::1]`` too), else None."""
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
 
 
 def host_rules(entries: list[str]) -> list[HostRule]:
@@ -203,6 +216,32 @@ def _secret_name(header: str, value: dict[str, Any], url: str | None = None) -> 
     return name
 
 
+def check_headers(headers: Any, url: str) -> None:
+    """Raise InvalidParams unless the headers are ones the client may send: at send() and again when the call runs."""
+    if headers is None:
+        return
+    if not isinstance(headers, dict):
+        raise InvalidParams("http: 'headers' must be an object of strings")
+    for name, value in headers.items():
+        if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
+            raise InvalidParams(f"http: bad header name {name!r}: header names are ASCII tokens")
+        if name.lower() in FORBIDDEN_HEADERS:
+            raise InvalidParams(f"http: header {name!r} is set by the client from the request; it cannot be given")
+        if isinstance(value, dict):
+            _secret_name(name, value, url)
+            continue
+        if not isinstance(value, str) or len(value) > MAX_HEADER_VALUE or not HEADER_VALUE.fullmatch(value):
+            raise InvalidParams(
+                f"http: bad header {name!r}: values are single-line printable ASCII strings "
+                "without leading or trailing spaces"
+            )
+        if SECRET_NAME.search(name):
+            raise InvalidParams(
+                f"http: header {name!r} carries a credential; give it as {{\"secret\": \"SETTING_NAME\"}} so it is "
+                "read from settings when the call runs and never stored (names listed in DISPATCHER_HTTP_SECRETS)"
+            )
+
+
 def validate_http(params: dict[str, Any]) -> None:
     """Check the params of an ``http`` call before it is stored: what the client would refuse too."""
     unknown = set(params) - HTTP_PARAMS
@@ -212,28 +251,7 @@ def validate_http(params: dict[str, Any]) -> None:
     if not isinstance(method, str) or method.upper() not in HTTP_METHODS:
         raise InvalidParams(f"http: 'method' must be one of {', '.join(sorted(HTTP_METHODS))}, not {method!r}")
     url = check_url(params.get("url"))
-    headers = params.get("headers")
-    if headers is not None:
-        if not isinstance(headers, dict):
-            raise InvalidParams("http: 'headers' must be an object of strings")
-        for name, value in headers.items():
-            if not isinstance(name, str) or not HEADER_NAME.fullmatch(name):
-                raise InvalidParams(f"http: bad header name {name!r}: header names are ASCII tokens")
-            if name.lower() in FORBIDDEN_HEADERS:
-                raise InvalidParams(f"http: header {name!r} is set by the client from the request; it cannot be given")
-            if isinstance(value, dict):
-                _secret_name(name, value, url)
-                continue
-            if not isinstance(value, str) or len(value) > MAX_HEADER_VALUE or not HEADER_VALUE.fullmatch(value):
-                raise InvalidParams(
-                    f"http: bad header {name!r}: values are single-line printable ASCII strings "
-                    "without leading or trailing spaces"
-                )
-            if SECRET_NAME.search(name):
-                raise InvalidParams(
-                    f"http: header {name!r} carries a credential; give it as {{\"secret\": \"SETTING_NAME\"}} so it is "
-                    "read from settings when the call runs and never stored (names listed in DISPATCHER_HTTP_SECRETS)"
-                )
+    check_headers(params.get("headers"), url)
     if "json" in params and "data" in params:
         raise InvalidParams("http: give 'json' or 'data', not both")
     data = params.get("data")
@@ -281,9 +299,8 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def _scrub(text: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, REDACTED)
-    return text
+    """Hide the secrets sent with the request wherever the answer echoes them, with or without their scheme."""
+    return scrub(text, sorted({part for secret in secrets for part in secret_parts(secret)}, key=len, reverse=True))
 
 
 @handler("http", validator=validate_http)
@@ -294,6 +311,8 @@ def http(**params: Any) -> dict[str, Any]:
         # The allow-list may have changed since send(). The request goes to the URL as checked,
         # not parsed again.
         target, host, port = _checked_url(url)
+        # So may the header rules: a row stored before them (or by SQL) is checked as send() would.
+        check_headers(params.get("headers"), url)
     except InvalidParams as exc:
         raise PermanentError(str(exc)) from None
     timeout = float(params.get("timeout") or dispatcher_settings.HTTP_TIMEOUT)

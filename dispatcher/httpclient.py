@@ -80,11 +80,20 @@ class _BoundedStream(httpcore.NetworkStream):
         return self._inner.get_extra_info(info)
 
 
+def is_internal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Return whether an address is not a public one: loopback, private, link-local (metadata), unspecified, reserved.
+
+    An IPv6 address carrying an IPv4 one (``::ffff:127.0.0.1``, 6to4, Teredo) is judged by it too.
+    """
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour or (address.teredo[1] if address.teredo else None)
+        if embedded is not None and is_internal(embedded):
+            return True
+    return not address.is_global or address.is_multicast or address.is_unspecified
+
+
 def _is_internal(address: str) -> bool:
-    ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return not ip.is_global or ip.is_multicast
+    return is_internal(ipaddress.ip_address(address.split("%")[0]))
 
 
 def vetted_addresses(host: str, port: int) -> list[str]:

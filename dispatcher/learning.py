@@ -44,6 +44,16 @@ current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys"
 current_start: ContextVar[datetime | None] = ContextVar("dispatcher_current_start", default=None)
 # Learnt limits inferred from Retry-After kept per key (the most recent ones).
 MAX_INFERRED = 4
+# What one API's answers may leave per key, whatever they say (SPEC invariant 9): at most this
+# many learnt rows (the most recently observed are kept; a policy shows up to 4 windows, plus a
+# budget and the Retry-After lessons) ...
+MAX_LEARNT_PER_KEY = 8
+# ... and at most this many *new* lessons (a window not already learnt) per key and minute in one
+# process: an API announcing a fresh window on every answer costs a write a few times a minute,
+# not one per answer. A repeated lesson is not new and only refreshes (see REFRESH).
+NEW_LESSONS_PER_MINUTE = 12
+_new_lessons: dict[str, tuple[int, set[tuple[int, float | None]]]] = {}
+_throttled: dict[tuple[str, ...], int] = {}
 
 
 @contextmanager
@@ -92,6 +102,7 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
     fresh = time.monotonic()
     windows = [(limit, period) for limit, period in windows
                if any(fresh - _stored.get((key, limit, period), -REFRESH) >= REFRESH for key in keys)]
+    windows = _admitted_lessons(keys, windows, named=found.source == "ietf", now=fresh)
     budgets = _budgets(found, keys) if wait is None else {}
     spent = [key for key, allowed in budgets.items() if allowed <= 0]
     if not wait and not windows and not budgets:
@@ -114,6 +125,9 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
         for limit, period in windows:
             for key in keys:
                 _learn(tables.LearntLimit, key, limit, period, expires, found, now)
+        if windows or budgets:
+            for key in keys:
+                bound_rows(key)
         locks.wake_dispensers()
     if len(_stored) > MAX_REMEMBERED:
         _stored.clear()
@@ -121,6 +135,57 @@ def _apply(found: Signal, keys: tuple[str, ...]) -> None:
         for key in keys:
             _stored[(key, limit, period)] = fresh
     log.info("learnt keys=%s signal=%r", ",".join(keys), found.text)
+
+
+def _admitted_lessons(
+    keys: tuple[str, ...], windows: list[tuple[int, timedelta]], *, named: bool, now: float,
+) -> list[tuple[int, timedelta]]:
+    """Return the windows this process may store now: each key takes NEW_LESSONS_PER_MINUTE new ones a minute.
+
+    A lesson is new for a key when its (limit, period) was not learnt in the current minute
+    (X-RateLimit-* name no window: their lessons differ by limit only, as ``_learn`` keeps one
+    row per limit). A window any key cannot take is dropped for every key of the call.
+    """
+    if not windows:
+        return windows
+    minute = int(now // 60)
+    if len(_new_lessons) > MAX_REMEMBERED:
+        _new_lessons.clear()
+    kept = []
+    for limit, period in windows:
+        lesson = (limit, period.total_seconds() if named else None)
+        taken = []
+        for key in keys:
+            seen_minute, seen = _new_lessons.get(key, (minute, set()))
+            if seen_minute != minute:
+                seen = set()
+            if lesson not in seen and len(seen) >= NEW_LESSONS_PER_MINUTE:
+                break
+            taken.append((key, seen))
+        else:
+            for key, seen in taken:
+                seen.add(lesson)
+                _new_lessons[key] = (minute, seen)
+            kept.append((limit, period))
+    if len(kept) < len(windows) and _throttled.get(keys) != minute:
+        # Once per key set and minute: the log must not grow with the answers either.
+        if len(_throttled) > MAX_REMEMBERED:
+            _throttled.clear()
+        _throttled[keys] = minute
+        log.warning("learn_throttled keys=%s dropped=%d (more new lessons this minute are dropped)",
+                    ",".join(keys), len(windows) - len(kept))
+    return kept
+
+
+def bound_rows(key: str) -> int:
+    """Keep a key's MAX_LEARNT_PER_KEY most recently observed learnt rows; return how many were deleted."""
+    model = tables.LearntLimit
+    stale = list(
+        model.objects.filter(key=key).order_by("-observed_at", "-id").values_list("pk", flat=True)[MAX_LEARNT_PER_KEY:]
+    )
+    if not stale:
+        return 0
+    return model.objects.filter(pk__in=stale).delete()[0]
 
 
 def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
@@ -283,6 +348,7 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
             )
             stale = tables.LearntLimit.objects.filter(key=key, source="retry-after").order_by("-observed_at")[MAX_INFERRED:]
             tables.LearntLimit.objects.filter(pk__in=list(stale.values_list("pk", flat=True))).delete()
+            bound_rows(key)
             log.info("learnt_from_retry_after keys=%s limit=%s period=%s", key, len(admitted), period)
 
 

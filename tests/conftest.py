@@ -36,6 +36,8 @@ def _forget_learnt_limits():
     from dispatcher import learning
 
     learning._stored.clear()
+    learning._new_lessons.clear()
+    learning._throttled.clear()
 
 
 @pytest.fixture

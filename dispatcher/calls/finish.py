@@ -13,6 +13,7 @@ from dispatcher import tables
 from dispatcher.calls.rows import attempts
 from dispatcher.clock import db_now, from_us, to_us
 from dispatcher.conf import dispatcher_settings
+from dispatcher.costs import bounded_charge
 from dispatcher.keys import parse_key_set
 from dispatcher.limits import catalog, ledger, locks
 from dispatcher.limits.shapes import TokenBucket
@@ -221,7 +222,7 @@ def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Map
                     continue
                 if delta < 0 and later is None:
                     later = _starts_after(manager, key, call, start)
-                tat = policy.refund(from_us(bucket.tat_us), now, -delta, later or ())
+                tat = policy.refund(from_us(bucket.tat_us), now, -bounded_charge(delta, policy.capacity()), later or ())
                 if tat is not None:
                     buckets.filter(id=bucket.id).update(tat_us=to_us(tat))
         if any(delta < 0 for delta in deltas.values()):

@@ -12,7 +12,6 @@ caller runs it on ``connections[alias]`` with its manager's alias, never on the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from typing import Any
 
 from django.apps import apps

@@ -1,0 +1,172 @@
+"""Redaction and the JSON depth scan against hostile text: every secret shape hidden, nothing else
+changed where it says nothing secret, and every entry point answers the corpus."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from django.contrib.auth.models import User
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatcher.models import CallQueue
+from dispatcher.redact import REDACTED, RedactingFilter, redact, redact_text
+from dispatcher.validation import MAX_JSON_DEPTH, json_text_depth
+from tests.hostile_corpus import JSON_TEXTS, SECRET_SHAPES, STRINGS
+
+SECRET = "hunter2zz"
+TOKEN = "t0ken-for-redaction-tests"
+
+
+@pytest.mark.parametrize("text", [
+    "{'password': 'hunter2zz', 'user': 'ann'}",  # a Python repr
+    "{'api_key': 'hunter2zz'}",
+    "{\"password\": 12345hunter2zz}",  # a bare value
+    "password = hunter2zz",
+    "password=hunter2zz",
+    'password="hunter2zz"',
+    "api%5Fkey=hunter2zz",
+    "client%5fsecret=hunter2zz&x=1",
+    "Ocp-Apim-Subscription-Key: hunter2zz",
+    "sent Ocp-Apim-Subscription-Key:hunter2zz to the API",
+    "<password>hunter2zz</password>",
+    "<ns:ApiKey type=\"x\">hunter2zz</ns:ApiKey>",
+    "<Token>hunter2zz</Token>",
+    "-----BEGIN RSA PRIVATE KEY-----\nMIIhunter2zz\n-----END RSA PRIVATE KEY-----",
+    "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1hunter2zz",  # cut off before its end
+    "https://ann:hunter2zz@api.example.com/",
+    "Authorization: Bearer hunter2zz",
+])
+def test_every_secret_shape_is_hidden(text):
+    shown = redact_text(text)
+    assert SECRET not in shown and REDACTED in shown
+
+
+@pytest.mark.parametrize("params", [
+    {"headers": {"Ocp-Apim-Subscription-Key": SECRET}},
+    {"api%5Fkey": SECRET},
+    {"body": f"<password>{SECRET}</password>"},
+    {"repr": f"{{'password': '{SECRET}'}}"},
+])
+def test_secret_shapes_are_hidden_in_structured_values(params):
+    assert SECRET not in json.dumps(redact(params))
+
+
+@pytest.mark.parametrize("text", [
+    "key=None", "password=null", "token=", "dispense key=None moved=3", "'password': None", "<password></password>",
+    "the token expired", "sort_order=asc&page=2", "Content-Type: application/json", "<name>ann</name>",
+])
+def test_text_that_holds_no_secret_is_shown_as_it_is(text):
+    assert redact_text(text) == text
+
+
+def test_the_log_filter_leaves_key_none_readable():
+    record = logging.LogRecord("dispatcher", logging.INFO, __file__, 1, "dispense key=%s password=%s", (None, SECRET), None)
+    RedactingFilter().filter(record)
+    assert record.getMessage() == f"dispense key=None password={REDACTED}"
+
+
+@pytest.mark.parametrize("text", STRINGS, ids=range(len(STRINGS)))
+def test_the_corpus_is_redacted_and_scanned_without_error(text):
+    shown = redact_text(text)
+    assert isinstance(redact({"v": text, text[:50]: [text]}), dict)
+    assert 0 <= json_text_depth(text) <= MAX_JSON_DEPTH + 1
+    if text in SECRET_SHAPES:
+        assert SECRET not in shown
+
+
+@pytest.mark.parametrize("text", JSON_TEXTS, ids=range(len(JSON_TEXTS)))
+def test_the_depth_scan_agrees_with_the_parser(text):
+    depth = json_text_depth(text)
+    if depth <= MAX_JSON_DEPTH:
+        try:
+            json.loads(text)  # never a RecursionError below the bound
+        except ValueError:
+            pass
+
+
+# --- properties -------------------------------------------------------------------------------
+
+names = st.sampled_from(["password", "api_key", "client_secret", "X-Api-Key", "access_token", "Ocp-Apim-Subscription-Key",
+                         "api%5Fkey", "private_key", "session_id", "Authorization"])
+values = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=6, max_size=30)
+shapes = st.sampled_from([
+    "{n}={v}", "{n} = {v}", '"{n}": "{v}"', "'{n}': '{v}'", "{n}: {v}", "<{n}>{v}</{n}>", "?a=1&{n}={v}&b=2",
+    "error: {{'{n}': '{v}'}} refused", "{n}:{v}",
+])
+noise = st.text(alphabet=" \n\t,;&=:'\"<>/abcxyz", max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(names, values, shapes, noise, noise)
+def test_a_secret_named_value_never_shows_whatever_surrounds_it(name, value, shape, before, after):
+    if shape.startswith("<"):
+        name = name.replace("-", "_").replace("%5F", "_")  # an element name
+    text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
+    assert value not in redact_text(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_redaction_never_fails_and_is_stable(text):
+    once = redact_text(text)
+    assert redact_text(once) == once
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='ab"\\[]{}', max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='k"\\[', max_size=3), inner, max_size=3),
+    max_leaves=30,
+)
+
+
+def depth_of(value) -> int:
+    if isinstance(value, list):
+        return 1 + max((depth_of(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((depth_of(v) for v in value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_the_depth_scan_measures_what_the_parser_would_nest(value):
+    assert json_text_depth(json.dumps(value)) == min(depth_of(value), MAX_JSON_DEPTH + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet='[]{}"\\a,:', max_size=200))
+def test_the_depth_scan_never_undercounts_what_the_parser_would_reach(text):
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return
+    assert json_text_depth(text) >= min(depth_of(value), MAX_JSON_DEPTH + 1)
+
+
+# --- entry points ----------------------------------------------------------------------------
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("text", JSON_TEXTS, ids=range(len(JSON_TEXTS)))
+def test_the_api_answers_hostile_json_bodies(client, settings, text):
+    settings.DISPATCHER_API_TOKENS = TOKEN
+    response = client.post("/api/calls/", data=text, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    assert response.status_code == 400
+
+
+@pytest.mark.django_db
+def test_pages_of_a_call_with_long_hostile_params_answer_and_hide_the_secret(client, settings, make_call):
+    settings.DISPATCHER_API_TOKENS = TOKEN
+    long = {f"p{i}": s for i, s in enumerate(STRINGS) if len(s) > 1000}
+    # Stored as under a raised DISPATCHER_MAX_PARAMS_BYTES: about 1.8 MB of hostile text.
+    call = make_call("noop", {}, status="failed", last_error=("a=" * 30_000) + f" password={SECRET}",
+                     result={"body": "\n" * 100_000 + f"token={SECRET}"})
+    CallQueue.objects.filter(id=call.id).update(params={**long, "password": SECRET})
+    client.force_login(User.objects.create_superuser("root", password="pw"))
+    page = client.get(f"/admin/dispatcher/callqueue/{call.id}/change/")
+    assert page.status_code == 200 and SECRET not in page.content.decode()
+    listed = client.get("/admin/dispatcher/callqueue/", {"q": "a=a=a="})
+    assert listed.status_code == 200
+    shown = client.get(f"/api/calls/{call.id}/", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    assert shown.status_code == 200 and SECRET not in shown.content.decode()
