@@ -4,9 +4,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from dispatcher.clock import from_us
 
-from dispatcher.clock import db_now
+from dispatcher.clock import db_now, from_us
 from dispatcher.costs import MAX_UNITS, bounded_charge
 from dispatcher.models import CallQueue, KeyBucket, RateLimit
 from tests.test_shapes import claim_all, run_all
