@@ -1,50 +1,43 @@
-"""The admin: calls (read-only, retry/cancel), rate limits (live usage, pause/resume), a dashboard."""
+"""The calls' admin: the list (state and key filters, search), the call's page (why it waits, attempts), retry and cancel."""
 from __future__ import annotations
 
 import json
 import threading
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from django import forms
 from django.contrib import admin, messages
-from django.contrib.admin import helpers
-from django.contrib.admin.helpers import ActionForm
-from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.admin.utils import flatten
-from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db.models import Min, Q, QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseRedirect, JsonResponse
-from django.shortcuts import get_object_or_404
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
-from dispatcher import liveness, waits
 from dispatcher import status as live
+from dispatcher import waits
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration, parse_positive_duration
-from dispatcher.keys import is_pattern, key_in_set, parse_key_set, pattern_matches, validate_policy_key
-from dispatcher.limits.shapes import PolicyError, validate
-from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
+from dispatcher.durations import format_duration, format_moment, humanize_duration
+from dispatcher.keys import key_in_set
+from dispatcher.models import CallQueue
 from dispatcher.redact import redact, redact_text
 
 if TYPE_CHECKING:
     from django.contrib.admin.options import _FieldGroups
 
-MAX_ID = 2**63 - 1
+from dispatcher.admin.common import (
+    MAX_ID,
+    ButtonsMixin,
+    ReadOnlyAdminMixin,
+    RefuseUnstorableMixin,
+    _log_change,
+    _pretty_json,
+    known_keys,
+)
+
 # Search in params looks at this many of the newest calls whose stored params contain the text.
 PARAMS_SEARCH_CANDIDATES = 200
-
-
-def _log_change(request: HttpRequest, queryset: QuerySet, message: str) -> None:
-    """Leave admin history: who did what to which calls or policies, one entry per row."""
-    user_id = request.user.pk
-    if user_id is None:  # the admin's views let only a logged-in staff user this far
-        raise PermissionDenied
-    LogEntry.objects.log_actions(user_id, queryset, CHANGE, message)
 
 
 def _params_matching(queryset: QuerySet, term: str) -> list[int]:
@@ -68,13 +61,6 @@ def _errors_matching(queryset: QuerySet, term: str) -> list[int]:
     return [
         call_id for call_id, error in candidates[:PARAMS_SEARCH_CANDIDATES] if needle in redact_text(error).casefold()
     ]
-
-
-def _pretty_json(value: Any) -> str:
-    return format_html("<pre>{}</pre>", json.dumps(redact(value), indent=2, sort_keys=True, default=str))
-
-
-# --- calls -------------------------------------------------------------------------------
 
 
 class CallStateFilter(admin.SimpleListFilter):
@@ -138,54 +124,6 @@ class KeyFilter(admin.SimpleListFilter):
         return queryset.filter(key_set__contains=key_in_set(key))
 
 
-class RefuseUnstorableMixin(admin.ModelAdmin):
-    """Apply only the filters a list offers; answer 400 to a NUL, or a selected id past bigint.
-
-    Django's ``lookup_allowed`` accepts any lookup on a local field from the query string
-    (``?params__json__password__startswith=h``, ``?last_error__regex=``, ``?run_at__year=99999``):
-    a view-only user could read a redacted value one character at a time, or make a 500. Here
-    a list takes exactly the parameters of its ``list_filter`` (and ``date_hierarchy``); any other
-    lookup is refused with a 400 (Django's ``DisallowedModelAdminLookup``) before a query runs.
-    Django passes filter values and selected ids to the database as they come; PostgreSQL
-    refuses a NUL in text, SQLite an integer past 64 bits, and either would answer 500.
-    """
-
-    def offered_lookups(self, request: HttpRequest | None) -> set[str]:
-        """Return the query-string parameters this list's filters read, and no other."""
-        offered: set[str] = set()
-        for item in self.get_list_filter(request) if request is not None else self.list_filter:
-            if isinstance(item, type) and issubclass(item, admin.SimpleListFilter):
-                offered.add(str(item.parameter_name))
-            else:
-                name = str(item[0] if isinstance(item, (list, tuple)) else item)
-                offered.update({name, f"{name}__exact", f"{name}__isnull"})  # the bare name is __exact
-        if self.date_hierarchy:
-            offered.update(f"{self.date_hierarchy}__{part}" for part in ("year", "month", "day"))
-        return offered
-
-    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
-        return lookup in self.offered_lookups(request)
-
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
-        for params in (request.GET, request.POST):
-            if any("\x00" in name or any("\x00" in value for value in values) for name, values in params.lists()):
-                return HttpResponseBadRequest("A query or form value holds a NUL character.", content_type="text/plain")
-        for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
-            if not (value.isascii() and value.isdigit() and len(value) <= 19 and int(value) <= MAX_ID):
-                return HttpResponseBadRequest("Selected ids must be whole numbers of a row.", content_type="text/plain")
-        return super().changelist_view(request, extra_context)
-
-
-def known_keys(term: str, limit: int = 20) -> list[str]:
-    """Return up to ``limit`` keys containing ``term``: keys with a policy, limiter state or waiting calls."""
-    found = set(KeyState.objects.filter(key__icontains=term).exclude(key__endswith="*").values_list("key", flat=True)[:limit])
-    found.update(k for k in RateLimit.objects.filter(key__icontains=term).values_list("key", flat=True) if not is_pattern(k))
-    if len(found) < limit:
-        for text in CallQueue.objects.pending().filter(key_set__icontains=term).values_list("key_set", flat=True)[:200]:
-            found.update(k for k in parse_key_set(text) if term.lower() in k.lower())
-    return sorted(found)[:limit]
-
-
 _calls_page = threading.local()
 
 
@@ -198,36 +136,6 @@ def _moment_field(name: str) -> Callable[[CallQueueAdmin, CallQueue], str]:
 
     shown.__name__ = f"{name}_shown"
     return shown
-
-
-class ButtonsMixin(admin.ModelAdmin):
-    """Buttons on an object's page that run one of the admin's actions on that object alone."""
-
-    # Where the buttons are, for the answer to a request that is not theirs.
-    button_page = "the object's page"
-
-    def _button(self, request: HttpRequest, object_id: int, action: str) -> HttpResponse:
-        if request.method != "POST":
-            return HttpResponse(f"use the button on {self.button_page}", status=405, content_type="text/plain")
-        if not self.has_change_permission(request):
-            raise PermissionDenied
-        get_object_or_404(self.model, id=object_id)
-        getattr(self, action)(request, self.model.objects.filter(id=object_id))
-        opts = self.model._meta
-        return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[object_id]))
-
-
-class ReadOnlyAdminMixin(admin.ModelAdmin):
-    """Calls are changed only by the dispatcher and by the actions, never by hand."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return flatten(self.fields or [])
 
 
 @admin.register(CallQueue)
@@ -520,264 +428,3 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
                 ngettext("%d call was not waiting and was left alone.", "%d calls were not waiting and were left alone.", skipped) % skipped,
                 messages.WARNING,
             )
-
-
-# --- rate limits ---------------------------------------------------------------------------
-
-
-class DurationTextField(forms.Field):
-    """A duration written like 500ms, 2s, 5m, 1h or 1d."""
-
-    default_error_messages = {"invalid": "Write a duration like 500ms, 2s, 5m, 1h or 1d."}
-
-    def prepare_value(self, value: Any) -> Any:
-        return format_duration(value) if isinstance(value, timedelta) else value
-
-    def to_python(self, value: Any) -> timedelta | None:
-        if value in self.empty_values:
-            return None
-        try:
-            return parse_positive_duration(value)
-        except ValueError as exc:
-            raise forms.ValidationError(str(exc), code="invalid") from None
-
-
-_page = threading.local()
-
-
-class RateLimitForm(forms.ModelForm):
-    period = DurationTextField(help_text="Length of the window (or a bucket's refill of LIMIT units): 500ms, 2s, 5m, 1h, 1d.")
-    limit = forms.IntegerField(min_value=1, help_text="Units that may start per period.")
-    burst = forms.IntegerField(
-        min_value=1, required=False,
-        help_text="Empty: a sliding window. Set: a token bucket this deep refilling at LIMIT per period (1: evenly spaced).",
-    )
-    concurrency = forms.IntegerField(min_value=1, required=False, help_text="Most calls in flight at once (empty: no cap).")
-
-    class Meta:
-        model = RateLimit
-        fields = ["key", "limit", "period", "burst", "concurrency"]
-
-    def clean(self) -> dict[str, Any]:
-        super().clean()
-        data = self.cleaned_data
-        if data.get("limit") is not None and data.get("period") is not None:
-            try:
-                validate(data["limit"], data["period"], data.get("burst"), data.get("concurrency"))
-            except PolicyError as exc:
-                raise forms.ValidationError(str(exc)) from None
-        return data
-
-    def clean_key(self) -> str:
-        try:
-            return validate_policy_key(self.cleaned_data["key"])
-        except ValueError as exc:
-            raise forms.ValidationError(str(exc)) from None
-
-
-class PauseActionForm(ActionForm):
-    duration = forms.CharField(required=False, label="pause for", help_text="e.g. 30s, 5m, 1h",
-                               widget=forms.TextInput(attrs={"size": 6, "placeholder": "5m"}))
-
-
-class KeyChangeList(ChangeList):
-    """The policy list with one row per key: the key's first policy stands for the key."""
-
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
-        firsts = RateLimit.objects.values("key").annotate(first=Min("id")).values("first")
-        return super().get_queryset(request, exclude_parameters).filter(id__in=firsts)
-
-
-@admin.register(RateLimit)
-class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
-    button_page = "the policy's page"
-
-    form = RateLimitForm
-    action_form = PauseActionForm
-    # One row per key (its first policy stands for it), every policy of the key listed in it.
-    list_display = ["key", "policy_label", "in_flight", "waiting", "oldest_wait", "paused_until", "next_free_slot"]
-    search_fields = ["key"]
-    actions = ["pause", "resume"]
-    change_form_template = "admin/dispatcher/ratelimit/change_form.html"
-
-    class Media:
-        css = {"all": ["dispatcher/dashboard.css"]}
-
-    def get_urls(self) -> list:
-        urls = [
-            path("<int:policy_id>/pause/", self.admin_site.admin_view(self.pause_view), name="dispatcher_ratelimit_pause"),
-            path("<int:policy_id>/resume/", self.admin_site.admin_view(self.resume_view), name="dispatcher_ratelimit_resume"),
-        ]
-        return urls + super().get_urls()
-
-    def pause_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
-        return self._button(request, policy_id, "pause")
-
-    def resume_view(self, request: HttpRequest, policy_id: int) -> HttpResponse:
-        return self._button(request, policy_id, "resume")
-
-
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
-        # One read of the live state per page, shared by every row's columns.
-        # Kept per thread: the admin instance is shared by every request.
-        _page.statuses = {s.key: s for s in live.key_statuses()}
-        _page.policies = {}
-        for policy in RateLimit.objects.order_by("key", "period"):
-            _page.policies.setdefault(policy.key, []).append(policy)
-        # A free slot sends nothing while no dispenser runs: say so where the slot is read.
-        _page.free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
-        try:
-            response = super().changelist_view(request, extra_context)
-            if hasattr(response, "render"):
-                response.render()  # while the statuses are set: the columns read them
-            return response
-        finally:
-            _page.statuses, _page.policies, _page.free_now = {}, {}, "now"
-
-    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
-        return KeyChangeList
-
-    def get_actions(self, request: HttpRequest) -> dict:
-        # A row stands for every policy of its key: deleting "the selected" would delete one of
-        # them. A policy is deleted from its own page.
-        actions = super().get_actions(request)
-        actions.pop("delete_selected", None)
-        return actions
-
-    def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
-        # The manager's edits lock the key and wake the dispensers, as the command's do.
-        saved = RateLimit.objects.set_policy(
-            obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst, replacing=obj.pk if change else None
-        )
-        obj.pk = saved.pk
-
-    def delete_model(self, request: HttpRequest, obj: RateLimit) -> None:
-        RateLimit.objects.delete_policies(obj.key, obj.period)
-
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[RateLimit]) -> None:
-        for key, period in queryset.values_list("key", "period"):
-            RateLimit.objects.delete_policies(key, period)
-
-    def _statuses(self, policy: RateLimit) -> list[live.KeyStatus]:
-        statuses = getattr(_page, "statuses", {})
-        if not is_pattern(policy.key):
-            return [statuses[policy.key]] if policy.key in statuses else []
-        return [s for k, s in statuses.items() if pattern_matches(policy.key, k) and s.governed_by == policy.key]
-
-    def _use(self, status: live.KeyStatus, policy: RateLimit) -> live.PolicyUse | None:
-        return next((p for p in status.policies if p.policy.period == policy.period and p.policy.key == policy.key), None)
-
-    @admin.display(description="policies: used now, dispatched-not-started calls included")
-    def policy_label(self, row: RateLimit) -> str:
-        """Every policy of the row's key with what it has taken, in its own terms (window units, bucket tokens)."""
-        policies = getattr(_page, "policies", {}).get(row.key) or [row]
-        statuses = self._statuses(row)
-        items = []
-        for policy in policies:
-            shape = policy.as_policy()
-            uses = [(s.key, u) for s in statuses if (u := self._use(s, policy))]
-            if uses:
-                key, use = max(uses, key=lambda item: item[1].committed)
-                usage = use.usage_text() + (f" (busiest: {key})" if is_pattern(row.key) else "")
-            else:
-                usage = live.PolicyUse(shape, 0).usage_text()
-            url = reverse("admin:dispatcher_ratelimit_change", args=[policy.pk])
-            items.append((url, f"{shape.shape} {shape.label()}", usage))
-        learnt = [u for s in statuses for u in s.policies if u.learnt] if not is_pattern(row.key) else []
-        html = format_html_join("", '<li class="policy-use"><a href="{}">{}</a>: {}</li>', items)
-        html += format_html_join("", '<li class="policy-use learnt">{} {}: {}</li>',
-                                 ((u.policy.shape, u.label(), u.usage_text()) for u in learnt))
-        return format_html('<ul class="policy-uses">{}</ul>', html)
-
-    @admin.display(description="in flight")
-    def in_flight(self, policy: RateLimit) -> str:
-        total = sum(s.in_flight for s in self._statuses(policy))
-        caps = [p.concurrency for p in getattr(_page, "policies", {}).get(policy.key, [policy]) if p.concurrency]
-        return f"{total}/{min(caps)}" if caps else str(total)
-
-    @admin.display(description="waiting")
-    def waiting(self, policy: RateLimit) -> int:
-        return sum(s.waiting for s in self._statuses(policy))
-
-    @admin.display(description="oldest wait")
-    def oldest_wait(self, policy: RateLimit) -> str:
-        waits = [s.oldest_wait for s in self._statuses(policy) if s.oldest_wait is not None]
-        return humanize_duration(max(waits)) if waits else "-"
-
-    @admin.display(description="paused until (by whom)")
-    def paused_until(self, policy: RateLimit) -> str:
-        now = db_now()
-        state = KeyState.objects.filter(key=policy.key, paused_until__gt=now).first()
-        if state is not None:
-            until, reason = state.paused_until, state.pause_reason
-        else:
-            pauses = [(s.paused_until, s) for s in self._statuses(policy) if s.paused_until]
-            if not pauses:
-                return "-"
-            until, latest = max(pauses, key=lambda pause: pause[0])
-            reason, now = latest.pause_reason, latest.now
-        source = waits.pause_source(reason)
-        detail = f" ({reason})" if reason and source not in (reason, "operator", "pattern pause") else ""
-        return f"{format_moment(until, now)}, by {source}{detail}"
-
-    @admin.display(description="next free slot")
-    def next_free_slot(self, policy: RateLimit) -> str:
-        statuses = self._statuses(policy)
-        blocked = [s for s in statuses if s.blocked]
-        if not blocked:
-            return getattr(_page, "free_now", "now")
-        frees = [(s.next_free_at, s.now) for s in blocked if s.next_free_at is not None]
-        if len(frees) < len(blocked):
-            return "when a call in flight finishes"
-        free_at, now = max(frees, key=lambda free: free[0])
-        return humanize(free_at, now)
-
-    def _duration(self, request: HttpRequest) -> timedelta | None:
-        try:
-            return parse_positive_duration(request.POST.get("duration", "") or "")
-        except ValueError as exc:
-            self.message_user(request, f"Pause not applied: {exc}", messages.ERROR)
-            return None
-
-    @admin.action(description="Pause the selected keys for the given duration", permissions=["change"])
-    def pause(self, request: HttpRequest, queryset: QuerySet) -> None:
-        duration = self._duration(request)
-        if duration is None:
-            return
-        keys = sorted(set(queryset.values_list("key", flat=True)))
-        for key in keys:
-            until = RateLimit.objects.pause_key(key, duration)
-        _log_change(request, queryset, f"Paused for {format_duration(duration)}")
-        self.message_user(
-            request,
-            ngettext("%(n)d key paused until %(until)s.", "%(n)d keys paused until %(until)s.", len(keys))
-            % {"n": len(keys), "until": format_moment(until, db_now())},
-        )
-
-    @admin.action(description="Resume the selected keys", permissions=["change"])
-    def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
-        lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
-        if lifted:
-            _log_change(request, queryset, "Resumed")
-        self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)
-
-
-# The admin index says whether dispensers and workers run and links the dashboard
-# (a project with its own index template keeps it).
-if admin.site.index_template is None:
-    admin.site.index_template = "admin/dispatcher/index.html"
-
-
-@admin.register(LearntLimit)
-class LearntLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
-    """Limits the APIs announced in their answers; the dispatcher writes them, nobody edits them."""
-
-    list_display = ("key", "limit", "period", "expires_at", "source", "signal", "observed_at")
-    search_fields = ("key",)
-    readonly_fields = list_display
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
