@@ -94,7 +94,7 @@ class TaskImportError(PermanentError, ImportError):
     """The task's dotted path cannot be imported in the worker; the task fails without a retry."""
 
 
-class DispatcherBackend(BaseTaskBackend):
+class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where the backport provides it
     """Stores each enqueued task as a call; the dispenser paces it and a Celery worker runs it."""
 
     supports_defer = True

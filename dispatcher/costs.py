@@ -17,7 +17,7 @@ def _units(value: Any, what: str) -> int:
         raise InvalidCost(f"{what} must be a whole number of units, not {value!r}")
     if not 1 <= value <= MAX_UNITS:
         raise InvalidCost(f"{what} must be between 1 and {MAX_UNITS} units, not {value}")
-    return value
+    return int(value)
 
 
 def clean_cost(

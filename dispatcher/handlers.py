@@ -131,7 +131,7 @@ def _check_idna(host: str) -> None:
 def check_url(url: Any) -> str:
     """Return the URL if its scheme is http(s) and its host and port are allow-listed, else raise InvalidParams."""
     _checked_url(url)
-    return url
+    return str(url)
 
 
 def _checked_url(url: Any) -> tuple[httpx.URL, str, int | None]:

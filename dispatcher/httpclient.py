@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from http.cookiejar import DefaultCookiePolicy
-from typing import Any
+from typing import Any, NoReturn
 
 import httpcore
 import httpx
@@ -73,7 +73,7 @@ class _BoundedStream(httpcore.NetworkStream):
     def close(self) -> None:
         self._inner.close()
 
-    def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None):
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> _BoundedStream:
         return _BoundedStream(self._inner.start_tls(ssl_context, server_hostname, _left(timeout, httpcore.ConnectTimeout)))
 
     def get_extra_info(self, info: str) -> Any:
@@ -143,7 +143,7 @@ class _GuardedBackend(httpcore.NetworkBackend):
             return _BoundedStream(stream)
         raise failure or httpcore.ConnectError(f"no address for {host}")
 
-    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None):
+    def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> NoReturn:
         raise httpcore.ConnectError("unix sockets are not used")
 
     def sleep(self, seconds: float) -> None:

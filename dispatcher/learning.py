@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.db.models import Max, Sum
@@ -26,6 +27,9 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.ratelimit_headers import Signal, signal
 from dispatcher.states import AttemptOutcome, CallStatus
+
+if TYPE_CHECKING:
+    from dispatcher.models import LearntLimit
 
 log = logging.getLogger("dispatcher")
 
@@ -218,7 +222,9 @@ def _budgets(found: Signal, keys: tuple[str, ...]) -> dict[str, int]:
     return budgets
 
 
-def _budget(model, key: str, allowed: int, until: timedelta, longest: timedelta, found: Signal, now) -> None:
+def _budget(
+    model: type[LearntLimit], key: str, allowed: int, until: timedelta, longest: timedelta, found: Signal, now: datetime
+) -> None:
     """Cap the key's starts before the reset at ``allowed``: one budget row per key, the latest answer's.
 
     A learnt window expiring at the reset T, reaching back to the earliest start of the key's
@@ -254,7 +260,9 @@ def _budget(model, key: str, allowed: int, until: timedelta, longest: timedelta,
     )
 
 
-def _learn(model, key: str, limit: int, period: timedelta, expires, found: Signal, now) -> None:
+def _learn(
+    model: type[LearntLimit], key: str, limit: int, period: timedelta, expires: datetime, found: Signal, now: datetime
+) -> None:
     """Store a window the API announced; an unnamed window grows to the longest reset seen."""
     if found.source != "ietf":
         # X-RateLimit-* name no window: the reset is the time left in it. Keep one row per

@@ -52,7 +52,7 @@ class CallQueueQuerySet(models.QuerySet["CallQueue"]):
 _CallQueueManagerBase = models.Manager.from_queryset(CallQueueQuerySet)
 
 
-class CallQueueManager(_CallQueueManagerBase):
+class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the stubs' generated manager class
     """Send, claim, start, finish, rescue, prune, retry and cancel calls (the one writer of ``status``)."""
 
     def send(

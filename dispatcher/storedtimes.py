@@ -22,7 +22,7 @@ log = logging.getLogger("dispatcher")
 def clamping_loader(base: type) -> type:
     """Return a subclass of a timestamptz loader that reads out-of-range values as a bound."""
 
-    class ClampingTimestamptzLoader(base):
+    class ClampingTimestamptzLoader(base):  # type: ignore[misc]  # psycopg's loader, found at run time
         _dispatcher_clamps = True
 
         def load(self, data: Any) -> Any:

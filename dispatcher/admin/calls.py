@@ -11,7 +11,7 @@ from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
-from django.urls import path, reverse
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 from dispatcher.admin.common import (
     MAX_ID,
     ButtonsMixin,
+    ModelAdmin,
     ReadOnlyAdminMixin,
     RefuseUnstorableMixin,
     _log_change,
@@ -40,7 +41,7 @@ from dispatcher.admin.common import (
 PARAMS_SEARCH_CANDIDATES = 200
 
 
-def _params_matching(queryset: QuerySet, term: str) -> list[int]:
+def _params_matching(queryset: QuerySet[Any], term: str) -> list[int]:
     """Return ids of calls whose params, as the admin shows them (redacted), contain the term.
 
     The database finds candidates in the stored text; each is kept only if the term is also in
@@ -54,7 +55,7 @@ def _params_matching(queryset: QuerySet, term: str) -> list[int]:
     ]
 
 
-def _errors_matching(queryset: QuerySet, term: str) -> list[int]:
+def _errors_matching(queryset: QuerySet[Any], term: str) -> list[int]:
     """Return ids of calls whose last error, as the admin shows it (redacted), contains the term."""
     needle = term.casefold()
     candidates = queryset.filter(last_error__icontains=term).order_by("-id").values_list("id", "last_error")
@@ -82,7 +83,7 @@ class CallStateFilter(admin.SimpleListFilter):
             (CallQueue.Status.CANCELLED, "Cancelled"),
         ]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
         if value == "new":
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals=0)
@@ -116,7 +117,7 @@ class KeyFilter(admin.SimpleListFilter):
         return [{"value": self.value() or "", "others": others, "suggest": reverse("admin:dispatcher_callqueue_keys"),
                  "clear": changelist.get_query_string(remove=[self.parameter_name])}]
 
-    def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         key = self.value()
         if not key:
             return queryset
@@ -139,7 +140,7 @@ def _moment_field(name: str) -> Callable[[CallQueueAdmin, CallQueue], str]:
 
 
 @admin.register(CallQueue)
-class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, admin.ModelAdmin):
+class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ModelAdmin):
     button_page = "the call's page"
 
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
@@ -163,7 +164,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         "params_shown", "result_shown", "error_shown", "traceback_shown", "attempt_history",
     ]
 
-    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str) -> tuple[QuerySet, bool]:
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> tuple[QuerySet[Any], bool]:
         # A NUL is refused by PostgreSQL's text type, and no stored text holds one.
         term = search_term.replace("\x00", "").strip()
         if not term:
@@ -179,7 +180,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
             query |= Q(id=int(number))
         return queryset.filter(query), False
 
-    def get_urls(self) -> list:
+    def get_urls(self) -> list[URLPattern]:
         urls = [
             path("keys/", self.admin_site.admin_view(self.keys_view), name="dispatcher_callqueue_keys"),
             path("<int:call_id>/retry/", self.admin_site.admin_view(self.retry_view), name="dispatcher_callqueue_retry"),
@@ -202,7 +203,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
     def cancel_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
         return self._button(request, call_id, "cancel")
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         # One clock read and one limiter read per page, shared by every row's "age" and "next try".
         # Kept per thread: the admin instance is shared by every request.
         _calls_page.now = db_now()
@@ -229,7 +230,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
             fields.remove("why_waiting")  # a finished call does not wait
         return fields
 
-    def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict | None = None) -> HttpResponse:
+    def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict[str, Any] | None = None) -> HttpResponse:
         if request.method == "POST":
             raise PermissionDenied("calls are read-only; use the retry and cancel actions")
         extra_context = {**(extra_context or {}), "show_save": False, "show_save_and_continue": False,
@@ -378,7 +379,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
             _log_change(request, self.model.objects.filter(id__in=ids), message)
 
     @admin.action(description="Retry now (failed calls get one more attempt)", permissions=["change"])
-    def retry_now(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def retry_now(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         eligible = list(queryset.filter(status__in=[CallQueue.Status.PENDING, CallQueue.Status.FAILED]).values_list("id", flat=True))
         skipped = queryset.count() - len(eligible)
         done = CallQueue.objects.retry_now(eligible)
@@ -414,7 +415,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ad
         return text
 
     @admin.action(description="Cancel (waiting calls only)", permissions=["change"])
-    def cancel(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         ids = list(queryset.filter(status=CallQueue.Status.PENDING).values_list("id", flat=True))
         total = queryset.count()
         done = CallQueue.objects.cancel(ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from django import forms
 from django.contrib import admin
 from django.contrib.admin import helpers
 from django.contrib.admin.models import CHANGE, LogEntry
@@ -23,10 +24,18 @@ if TYPE_CHECKING:
     pass
 
 
+if TYPE_CHECKING:
+    # Generic in the type stubs only: Django's classes take no parameters at run time.
+    ModelAdmin = admin.ModelAdmin[Any]
+    ModelForm = forms.ModelForm[Any]
+else:
+    ModelAdmin = admin.ModelAdmin
+    ModelForm = forms.ModelForm
+
 MAX_ID = 2**63 - 1
 
 
-def _log_change(request: HttpRequest, queryset: QuerySet, message: str) -> None:
+def _log_change(request: HttpRequest, queryset: QuerySet[Any], message: str) -> None:
     """Leave admin history: who did what to which calls or policies, one entry per row."""
     user_id = request.user.pk
     if user_id is None:  # the admin's views let only a logged-in staff user this far
@@ -38,7 +47,7 @@ def _pretty_json(value: Any) -> str:
     return format_html("<pre>{}</pre>", json.dumps(redact(value), indent=2, sort_keys=True, default=str))
 
 
-class RefuseUnstorableMixin(admin.ModelAdmin):
+class RefuseUnstorableMixin(ModelAdmin):
     """Apply only the filters a list offers; answer 400 to a NUL, or a selected id past bigint.
 
     Django's ``lookup_allowed`` accepts any lookup on a local field from the query string
@@ -66,7 +75,7 @@ class RefuseUnstorableMixin(admin.ModelAdmin):
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
         return lookup in self.offered_lookups(request)
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         for params in (request.GET, request.POST):
             if any("\x00" in name or any("\x00" in value for value in values) for name, values in params.lists()):
                 return HttpResponseBadRequest("A query or form value holds a NUL character.", content_type="text/plain")
@@ -86,7 +95,7 @@ def known_keys(term: str, limit: int = 20) -> list[str]:
     return sorted(found)[:limit]
 
 
-class ButtonsMixin(admin.ModelAdmin):
+class ButtonsMixin(ModelAdmin):
     """Buttons on an object's page that run one of the admin's actions on that object alone."""
 
     # Where the buttons are, for the answer to a request that is not theirs.
@@ -103,7 +112,7 @@ class ButtonsMixin(admin.ModelAdmin):
         return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[object_id]))
 
 
-class ReadOnlyAdminMixin(admin.ModelAdmin):
+class ReadOnlyAdminMixin(ModelAdmin):
     """Calls are changed only by the dispatcher and by the actions, never by hand."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:

@@ -11,7 +11,7 @@ from django.contrib.admin.helpers import ActionForm
 from django.contrib.admin.views.main import ChangeList
 from django.db.models import Min, QuerySet
 from django.http import HttpRequest, HttpResponse
-from django.urls import path, reverse
+from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
 
@@ -26,7 +26,7 @@ from dispatcher.models import KeyState, LearntLimit, RateLimit
 if TYPE_CHECKING:
     pass
 
-from dispatcher.admin.common import ButtonsMixin, RefuseUnstorableMixin, _log_change
+from dispatcher.admin.common import ButtonsMixin, ModelAdmin, ModelForm, RefuseUnstorableMixin, _log_change
 
 
 class DurationTextField(forms.Field):
@@ -49,7 +49,7 @@ class DurationTextField(forms.Field):
 _page = threading.local()
 
 
-class RateLimitForm(forms.ModelForm):
+class RateLimitForm(ModelForm):
     period = DurationTextField(help_text="Length of the window (or a bucket's refill of LIMIT units): 500ms, 2s, 5m, 1h, 1d.")
     limit = forms.IntegerField(min_value=1, help_text="Units that may start per period.")
     burst = forms.IntegerField(
@@ -87,13 +87,13 @@ class PauseActionForm(ActionForm):
 class KeyChangeList(ChangeList):
     """The policy list with one row per key: the key's first policy stands for the key."""
 
-    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet:
+    def get_queryset(self, request: HttpRequest, exclude_parameters: Any = None) -> QuerySet[Any]:
         firsts = RateLimit.objects.values("key").annotate(first=Min("id")).values("first")
         return super().get_queryset(request, exclude_parameters).filter(id__in=firsts)
 
 
 @admin.register(RateLimit)
-class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
+class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
     button_page = "the policy's page"
 
     form = RateLimitForm
@@ -107,7 +107,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
     class Media:
         css = {"all": ["dispatcher/dashboard.css"]}
 
-    def get_urls(self) -> list:
+    def get_urls(self) -> list[URLPattern]:
         urls = [
             path("<int:policy_id>/pause/", self.admin_site.admin_view(self.pause_view), name="dispatcher_ratelimit_pause"),
             path("<int:policy_id>/resume/", self.admin_site.admin_view(self.resume_view), name="dispatcher_ratelimit_resume"),
@@ -121,7 +121,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
         return self._button(request, policy_id, "resume")
 
 
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         # One read of the live state per page, shared by every row's columns.
         # Kept per thread: the admin instance is shared by every request.
         _page.statuses = {s.key: s for s in live.key_statuses()}
@@ -141,7 +141,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return KeyChangeList
 
-    def get_actions(self, request: HttpRequest) -> dict:
+    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
         # A row stands for every policy of its key: deleting "the selected" would delete one of
         # them. A policy is deleted from its own page.
         actions = super().get_actions(request)
@@ -244,7 +244,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
             return None
 
     @admin.action(description="Pause the selected keys for the given duration", permissions=["change"])
-    def pause(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def pause(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         duration = self._duration(request)
         if duration is None:
             return
@@ -259,7 +259,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
         )
 
     @admin.action(description="Resume the selected keys", permissions=["change"])
-    def resume(self, request: HttpRequest, queryset: QuerySet) -> None:
+    def resume(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
         if lifted:
             _log_change(request, queryset, "Resumed")
@@ -267,7 +267,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, admin.ModelAdmin):
 
 
 @admin.register(LearntLimit)
-class LearntLimitAdmin(RefuseUnstorableMixin, admin.ModelAdmin):
+class LearntLimitAdmin(RefuseUnstorableMixin, ModelAdmin):
     """Limits the APIs announced in their answers; the dispatcher writes them, nobody edits them."""
 
     list_display = ("key", "limit", "period", "expires_at", "source", "signal", "observed_at")
