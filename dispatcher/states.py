@@ -11,35 +11,35 @@ from django.db import models
 class CallStatus(models.TextChoices):
     """Where a call is in its life; ``CallQueue.Status``."""
 
-    # Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429.
     PENDING = "pending", "Waiting"
-    # Claimed by a dispenser and published to Celery; not yet started by a worker.
+    """Waiting: never tried, waiting for a retry (attempts > 0), or deferred by a 429."""
     DISPATCHED = "dispatched", "Dispatched"
-    # A worker is running the handler.
+    """Claimed by a dispenser and published to Celery; not yet started by a worker."""
     RUNNING = "running", "Running"
-    # The handler returned; the result is stored.
+    """A worker is running the handler."""
     DONE = "done", "Done"
-    # Gave up: a permanent error, or max_attempts spent.
+    """The handler returned; the result is stored."""
     FAILED = "failed", "Failed"
-    # Cancelled before it ran.
+    """Gave up: a permanent error, or max_attempts spent."""
     CANCELLED = "cancelled", "Cancelled"
+    """Cancelled before it ran."""
 
 
 class AttemptOutcome(models.TextChoices):
     """How one attempt of a call ended; ``Attempt.Outcome``."""
 
-    # Started and not finished yet.
     RUNNING = "running", "Running"
-    # The handler returned.
+    """Started and not finished yet."""
     DONE = "done", "Done"
-    # The handler raised; the call retries while attempts remain.
+    """The handler returned."""
     ERROR = "error", "Error (retryable)"
-    # The handler raised a permanent error; the call failed.
+    """The handler raised; the call retries while attempts remain."""
     FAILED = "failed", "Failed (permanent)"
-    # A 429: the call waits again and the attempt is refunded.
+    """The handler raised a permanent error; the call failed."""
     RATE_LIMITED = "rate_limited", "Rate limited (429)"
-    # No outcome within DISPATCHER_RUN_TIMEOUT: the rescue sweep ended it.
+    """A 429: the call waits again and the attempt is refunded."""
     LOST = "lost", "Lost (rescued)"
+    """No outcome within DISPATCHER_RUN_TIMEOUT: the rescue sweep ended it."""
 
 
 class WaitKind(enum.StrEnum):
