@@ -1,4 +1,4 @@
-"""The held-at-the-API scenario shared by tests/test_arrivals.py and the benchmark's arrival rows.
+"""The held-at-the-API scenario shared by tests/e2e/test_arrivals.py and the benchmark's arrival rows.
 
 Fake partners on 127.0.0.1 enforce each policy shape on arrival (support.fakeapi); a backlog goes
 to each through several dispensers and workers that start late; the figures say how many 429s

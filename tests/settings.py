@@ -22,9 +22,9 @@ TASKS = {
 }
 # Test-client tests render the admin without running collectstatic first; the manifest storage
 # of production would refuse to name files it has not hashed. The browser test serves the
-# project's own settings (tests/test_browser.py), manifest and WhiteNoise included.
+# project's own settings (tests/browser/test_browser.py), manifest and WhiteNoise included.
 STORAGES = {**STORAGES, "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}  # noqa: F405
 
 # A second alias on the same database (a test mirror: no database of its own), so a test can
-# show that every statement of a manager runs on the alias the manager uses (tests/test_routing.py).
+# show that every statement of a manager runs on the alias the manager uses (tests/integration/test_routing.py).
 DATABASES = {**DATABASES, "other": {**DATABASES["default"], "TEST": {"MIRROR": "default"}}}  # noqa: F405

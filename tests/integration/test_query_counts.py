@@ -113,7 +113,7 @@ def test_a_message_of_ten_calls_costs_the_queries_of_fewer_than_one_call(publish
     assert execute(claimed[0].id, claimed[0].dispatch_no) == "done"  # keeps the policies, as a worker would
     assert execute(claimed[1].id, claimed[1].dispatch_no) == "done"
     # Measured, their delays no larger than the ones kept: none is written (a write would be one
-    # statement more, on this same connection: tests/test_learnt_guard.py).
+    # statement more, on this same connection: tests/integration/test_learnt_guard.py).
     KeyState.objects.filter(key__in=["bench:0", "bench:1"]).update(send_delay_us=10**9, send_delay_since=Now())
     with CaptureQueriesContext(connection) as queries:
         assert execute_many([(c.id, c.dispatch_no) for c in claimed[2:]]) == {"done": 10}

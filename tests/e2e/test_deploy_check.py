@@ -40,7 +40,7 @@ def test_the_insecure_development_key_is_flagged_by_the_checklist(tmp_path):
 
 # Since Django 6.0 run_checks(databases=["default"]) hands every database to the model checks, which ask SQLite about
 # JSON support: the checks need database access, as `manage.py check` has; the default one only
-# (the test settings' "other" alias mirrors it, tests/test_routing.py).
+# (the test settings' "other" alias mirrors it, tests/integration/test_routing.py).
 @pytest.mark.django_db
 def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
     from django.core.checks import run_checks
@@ -53,7 +53,7 @@ def test_check_warns_when_celery_would_reconnect_for_every_call(settings):
 
 # Since Django 6.0 run_checks(databases=["default"]) hands every database to the model checks, which ask SQLite about
 # JSON support: the checks need database access, as `manage.py check` has; the default one only
-# (the test settings' "other" alias mirrors it, tests/test_routing.py).
+# (the test settings' "other" alias mirrors it, tests/integration/test_routing.py).
 @pytest.mark.django_db
 def test_check_refuses_fewer_than_one_call_per_message(settings):
     from django.core.checks import run_checks

@@ -215,7 +215,7 @@ def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_w
     from dispatcher import arrivals
     from dispatcher.calls import start
     from dispatcher.models import CallQueue, RateLimit
-    from tests.test_lifecycle import claim_all
+    from tests.integration.test_lifecycle import claim_all
 
     RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
     calls = [CallQueue.objects.send("noop", {}, keys=["api"]) for _ in range(2)]
@@ -240,7 +240,7 @@ def test_calls_of_one_message_keep_their_send_delay_for_the_arrival_guard():
     worker running messages of 8 calls under -P threads overflowed a binding window at the API)."""
     from dispatcher.models import CallQueue, KeyState, RateLimit
     from dispatcher.worker import execute_many
-    from tests.test_lifecycle import claim_all
+    from tests.integration.test_lifecycle import claim_all
 
     RateLimit.objects.set_policy("late", 100, timedelta(minutes=1))
     calls = [CallQueue.objects.send("late_send", {"delay": 0.06}, keys=["late"]) for _ in range(3)]
@@ -259,7 +259,7 @@ def test_a_message_keeps_its_calls_send_delays_without_opening_database_sessions
 
     from dispatcher.models import CallQueue, KeyState, RateLimit
     from dispatcher.worker import execute_many
-    from tests.test_lifecycle import claim_all
+    from tests.integration.test_lifecycle import claim_all
 
     RateLimit.objects.set_policy("late:*", 100, timedelta(minutes=1))
     # Four keys never measured: every call's delay is its key's first, so each is written.

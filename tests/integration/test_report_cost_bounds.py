@@ -8,7 +8,7 @@ import pytest
 from dispatcher.clock import db_now, from_us
 from dispatcher.costs import MAX_UNITS, bounded_charge
 from dispatcher.models import CallQueue, KeyBucket, RateLimit
-from tests.test_shapes import claim_all, run_all
+from tests.integration.test_shapes import claim_all, run_all
 
 pytestmark = pytest.mark.django_db
 

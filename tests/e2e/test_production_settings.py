@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from support.processes import ROOT
-from tests.test_compose import COMPOSE
+from tests.e2e.test_compose import COMPOSE
 
 SERVER_DATABASE = "postgres://dispatcher@127.0.0.1:5432/dispatcher_prod_check"
 

@@ -11,7 +11,7 @@ from dispatcher.clock import from_us
 from dispatcher.limits import gate
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.worker import execute_many
-from tests.test_lifecycle import claim_all
+from tests.integration.test_lifecycle import claim_all
 
 pytestmark = pytest.mark.django_db
 

@@ -12,7 +12,7 @@ from dispatcher.models import CallQueue, RateLimit
 from dispatcher.status import key_statuses
 from dispatcher.waits import explain_call
 from tests.starts import log_starts
-from tests.test_metrics import samples
+from tests.integration.test_metrics import samples
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -190,7 +190,7 @@ def test_a_secret_a_header_cannot_carry_fails_without_showing_it(settings, serve
 
 def test_a_bad_secret_shows_nowhere_in_the_call_or_the_logs(settings, serve, caplog):
     from dispatcher.worker import execute
-    from tests.test_lifecycle import claim_one
+    from tests.integration.test_lifecycle import claim_one
 
     server = serve(lambda req: answer(req, 200, {"ok": True}))
     settings.DISPATCHER_HTTP_SECRETS = "PARTNER_TOKEN"
@@ -316,7 +316,7 @@ def test_the_pooled_client_reuses_connections_and_keeps_no_cookies(fake_api, ser
 
 def test_a_429_pause_is_capped(fake_api, settings):
     from dispatcher.worker import execute
-    from tests.test_lifecycle import claim_one
+    from tests.integration.test_lifecycle import claim_one
 
     settings.DISPATCHER_MAX_PAUSE = "10m"
     call = CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/limited/1?times=5&after=86400"},

@@ -9,7 +9,7 @@ import pytest
 
 from dispatcher.conf import DEPRECATED, DispatcherSettings, Setting, dispatcher_settings
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_the_readme_table_lists_exactly_the_settings():

@@ -252,7 +252,7 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     # Read the policies (and that clock) afresh at the start, not the ones this process kept.
     monkeypatch.setattr("dispatcher.limits.catalog._kept", {})
     # What the start charges is the point here: keep out the push a send later than the learnt
-    # guard gives the bucket afterwards (tests/test_learnt_guard.py covers that push).
+    # guard gives the bucket afterwards (tests/integration/test_learnt_guard.py covers that push).
     monkeypatch.setattr("dispatcher.limits.ledger.push_buckets", lambda overdue, using=None: None)
     assert run_all([claimed]) == ["done"]
     call.refresh_from_db()

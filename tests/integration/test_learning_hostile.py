@@ -15,7 +15,7 @@ from dispatcher import learning, ratelimit_headers
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.models import KeyState, LearntLimit, RateLimit
-from tests.test_ratelimit_headers import header_values, names
+from tests.unit.test_ratelimit_headers import header_values, names
 
 pytestmark = pytest.mark.django_db
 

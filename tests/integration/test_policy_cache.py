@@ -9,7 +9,7 @@ from django.db import connection
 from dispatcher.clock import db_now
 from dispatcher.limits import catalog
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
-from tests.test_lifecycle import claim_all
+from tests.integration.test_lifecycle import claim_all
 
 pytestmark = pytest.mark.django_db
 

@@ -12,7 +12,7 @@ import pytest
 from dispatcher.models import Attempt, CallQueue, RateLimit
 from support.fakeapi import max_in_window
 from tests.calls import all_finished
-from tests.test_faults import terminate_other_backends
+from tests.e2e.test_faults import terminate_other_backends
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -16,7 +16,7 @@ from dispatcher.handlers import http
 from dispatcher.models import CallQueue, LearntLimit, RateLimit
 from support.fakeapi import answer
 from tests.hostile_corpus import HEADERS
-from tests.test_http_hostile import Server
+from tests.integration.test_http_hostile import Server
 
 pytestmark = pytest.mark.django_db
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-APP = Path(__file__).resolve().parent.parent / "dispatcher"
+APP = Path(__file__).resolve().parents[2] / "dispatcher"
 
 # The only imports inside functions, each for a reason other than a cycle.
 FUNCTION_LOCAL_IMPORTS = {

@@ -13,7 +13,7 @@ from dispatcher.handlers import http, validate_http
 from dispatcher.models import CallQueue
 from dispatcher.worker import execute
 from support.fakeapi import answer
-from tests.test_http_hostile import serve  # noqa: F401 - the fixture
+from tests.integration.test_http_hostile import serve  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.django_db
 

@@ -16,7 +16,7 @@ from django.test.utils import CaptureQueriesContext
 from dispatcher.calls import start
 from dispatcher.limits import gate
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
-from tests.test_lifecycle import claim_all
+from tests.integration.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -11,7 +11,7 @@ from django.db import connections, transaction
 
 from dispatcher.combiner import StartCombiner
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
-from tests.test_lifecycle import claim_all
+from tests.integration.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
