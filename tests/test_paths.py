@@ -19,6 +19,7 @@ import dispatcher.limits.gate
 import dispatcher.retry
 from dispatcher.calls import dispense, finish, send, start
 from dispatcher.limits import catalog
+from dispatcher.store import limit_sql, schema
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.clocks import fake_db_clock
 
@@ -100,7 +101,7 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
     postgresql_said = _scenario()
     postgresql_rows = _rows()
     _forget()
-    monkeypatch.setattr(dispatcher.sql, "postgresql_path", lambda alias: False)
+    monkeypatch.setattr(schema, "postgresql_path", lambda alias: False)
     portable_said = _scenario()
     portable_rows = _rows()
 
@@ -115,7 +116,7 @@ def test_postgresql_statements_and_the_portable_path_leave_the_same_rows(monkeyp
 
 
 def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
-    monkeypatch.setattr(dispatcher.sql, "postgresql_path", lambda alias: False)
+    monkeypatch.setattr(schema, "postgresql_path", lambda alias: False)
     taken = []
     for module, name in (
         (dispense, "_claim_rows_postgresql"), (start, "_mark_running_postgresql"), (finish, "_finish_postgresql"),
@@ -124,6 +125,6 @@ def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
     for module in (dispatcher.limits.catalog, dispatcher.limits.gate):
         monkeypatch.setattr(module, "policies_statement", lambda *a: taken.append("policies_statement"))
-    monkeypatch.setattr(dispatcher.sql, "lock_key_states", lambda: taken.append("lock_key_states"))
+    monkeypatch.setattr(limit_sql, "lock_key_states", lambda: taken.append("lock_key_states"))
     _scenario()
     assert taken == []
