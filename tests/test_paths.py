@@ -20,8 +20,8 @@ import dispatcher.limits.gate
 import dispatcher.retry
 from dispatcher.calls import dispense, finish, send, start
 from dispatcher.limits import catalog
-from dispatcher.store import limit_sql, schema
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
+from dispatcher.store import limit_sql, schema
 from tests.clocks import fake_db_clock
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
