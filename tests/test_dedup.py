@@ -362,3 +362,15 @@ def test_a_task_with_a_unique_template_is_enqueued_once_per_key():
     assert CallQueue.objects.get(id=int(first.id)).unique_key == "tests.testapp.tasks.add:1"
     with pytest.raises(ImproperlyConfigured, match="unique"):
         DispatcherBackend("default", {"OPTIONS": {"unique": {"tests.testapp.tasks.add": {"key": "{a}", "for": "-1s"}}}})
+
+
+# --- admin ---------------------------------------------------------------------------------------
+
+
+def test_the_admin_shows_the_unique_key_on_the_call_page_and_finds_the_call_by_it(admin_client):
+    call = send("invoice-2030-17", unique_for="1h")
+    CallQueue.objects.send("noop", {})
+    page = admin_client.get(f"/admin/dispatcher/callqueue/{call.id}/change/")
+    assert page.status_code == 200 and "invoice-2030-17" in page.content.decode()
+    found = admin_client.get("/admin/dispatcher/callqueue/", {"q": "invoice-2030"})
+    assert found.status_code == 200 and list(found.context["cl"].result_list) == [call]
