@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from django.db.models import Q
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from dispatcher.durations import parse_positive_duration
 from dispatcher.exceptions import InvalidCall
@@ -33,6 +34,10 @@ ON_DUPLICATE = ("keep", "replace")
 # Rounds of insert, release and retry: a round ends with every call stored or its holder found,
 # unless a holder let its key go meanwhile (rolled back, released); three make that vanishingly rare.
 ROUNDS = 3
+FINISHED = (Status.DONE, Status.FAILED, Status.CANCELLED)
+# How far the app's clock may run behind the database's before a lapsed hold is missed at once
+# (it is released by the next send after that).
+CLOCK_SKEW = timedelta(seconds=5)
 # Keys per statement when looking holders up (SQLite's variable limit is 999 on old builds).
 KEYS_PER_QUERY = 500
 
@@ -131,17 +136,23 @@ def _as_duplicate(row: CallQueue | None) -> CallQueue:
 
 
 def _holders(manager: CallQueueManager, keys: list[str]) -> dict[str, CallQueue]:
-    """Release the keys whose holder finished and whose window passed; return the remaining holders."""
+    """Return the calls holding these keys, after releasing those whose holder finished and whose window passed."""
     holders: dict[str, CallQueue] = {}
     unique = sorted(set(keys))
     for start in range(0, len(unique), KEYS_PER_QUERY):
-        chunk = unique[start:start + KEYS_PER_QUERY]
-        held = manager.filter(HOLDS_UNIQUE_KEY, unique_key__in=chunk)
-        # Guarded: only a finished holder past its window lets go, whoever else looks at it.
-        held.filter(status__in=[Status.DONE, Status.FAILED, Status.CANCELLED]).filter(
+        held = manager.filter(HOLDS_UNIQUE_KEY, unique_key__in=unique[start:start + KEYS_PER_QUERY])
+        rows = list(held)
+        # The app's clock only picks the candidates; the guarded UPDATE decides on the database's.
+        now = timezone.now()
+        lapsed = [
+            row.pk for row in rows
+            if row.status in FINISHED and (row.unique_until is None or row.unique_until <= now + CLOCK_SKEW)
+        ]
+        if lapsed and manager.filter(HOLDS_UNIQUE_KEY, id__in=lapsed, status__in=FINISHED).filter(
             Q(unique_until__isnull=True) | Q(unique_until__lte=Now())
-        ).update(unique_released=True)
-        holders.update((row.unique_key, row) for row in held)
+        ).update(unique_released=True):
+            rows = list(held.all())  # again: the released ones are gone
+        holders.update((row.unique_key, row) for row in rows)
     return holders
 
 
