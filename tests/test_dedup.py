@@ -374,3 +374,13 @@ def test_the_admin_shows_the_unique_key_on_the_call_page_and_finds_the_call_by_i
     assert page.status_code == 200 and "invoice-2030-17" in page.content.decode()
     found = admin_client.get("/admin/dispatcher/callqueue/", {"q": "invoice-2030"})
     assert found.status_code == 200 and list(found.context["cl"].result_list) == [call]
+
+
+def test_send_many_refused_on_a_duplicate_stores_none_of_the_batch():
+    send("held-by-noop")
+    with pytest.raises(InvalidCall, match="same method"):
+        CallQueue.objects.send_many([
+            {"method": "noop", "params": {"n": 1}, "unique_key": "fresh"},
+            {"method": "greet", "params": {"name": "x"}, "unique_key": "held-by-noop", "on_duplicate": "replace"},
+        ])
+    assert list(CallQueue.objects.values_list("unique_key", flat=True)) == ["held-by-noop"]

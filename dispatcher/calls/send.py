@@ -227,7 +227,10 @@ def send_many(manager: CallQueueManager, calls: Iterable[Mapping[str, Any]]) -> 
     if not cleaned:
         return []
     if any(call.unique is not None for call in cleaned):
-        return once.send_once(manager, cleaned, _store_skipping(manager))
+        # All or none: a holder found may still refuse a call (replace of another method), and a
+        # call whose holder let go meanwhile is stored by a second statement.
+        with transaction.atomic(using=manager.db):
+            return once.send_once(manager, cleaned, _store_skipping(manager))
     if schema.postgresql_path(manager.db):
         # One statement: every row is stored or none, without a transaction of its own.
         rows = insert_many(manager.model, manager.db, connections[manager.db], cleaned, Status.PENDING)
