@@ -156,6 +156,17 @@ def _holders(manager: CallQueueManager, keys: list[str]) -> dict[str, CallQueue]
     return holders
 
 
+def held_keys(manager: CallQueueManager, keys: list[str]) -> set[str]:
+    """Return which of these unique keys a call holds."""
+    unique = sorted(set(keys))
+    return {
+        key
+        for start in range(0, len(unique), KEYS_PER_QUERY)
+        for key in manager.filter(HOLDS_UNIQUE_KEY, unique_key__in=unique[start:start + KEYS_PER_QUERY])
+        .values_list("unique_key", flat=True)
+    }
+
+
 def _duplicate(manager: CallQueueManager, holder: CallQueue, call: NewCall) -> CallQueue:
     """Return the holder of the call's key; with replace, a waiting holder takes the call's params and run_at."""
     assert call.unique is not None

@@ -252,14 +252,17 @@ def _store_skipping(manager: CallQueueManager) -> once.Store:
         return store_postgresql
 
     def store_portable(calls: list[NewCall]) -> list[CallQueue | None]:
-        # All at once in a savepoint; if a key is held, one savepoint per call tells which.
-        if len(calls) > 1:
-            rows = [manager.model(**call.fields(Status.PENDING)) for call in calls]
+        # All at once in a savepoint; if a key is held, all but the held ones (a send_many holds
+        # SQLite's write lock by then, so none is taken meanwhile); else one savepoint per call.
+        for attempt in range(2 if len(calls) > 1 else 0):
+            held = once.held_keys(manager, [call.unique.key for call in calls if call.unique]) if attempt else set()
+            free = [call for call in calls if call.unique is None or call.unique.key not in held]
             try:
                 with transaction.atomic(using=manager.db):
-                    return list(_bulk_create_whole(manager, rows))
+                    rows = iter(_bulk_create_whole(manager, [manager.model(**c.fields(Status.PENDING)) for c in free]))
             except IntegrityError:
-                pass
+                continue
+            return [None if call.unique is not None and call.unique.key in held else next(rows) for call in calls]
         stored: list[CallQueue | None] = []
         for call in calls:
             row = manager.model(**call.fields(Status.PENDING))
