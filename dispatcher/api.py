@@ -35,6 +35,8 @@ from dispatcher.waits import explain_call
 
 MAX_BODY_BYTES = 1024 * 1024
 SEND_FIELDS = {"method", "params", "keys", "priority", "run_at", "max_attempts", "queue"}
+# Send once: a duplicate answers 200 with the call that holds the key, a stored call 201.
+SEND_FIELDS |= {"unique_key", "unique_for", "on_duplicate"}
 
 
 def _error(status: int, message: str, **extra: Any) -> JsonResponse:
@@ -111,7 +113,7 @@ def call_data(call: Any) -> dict[str, Any]:
 @csrf_exempt  # session requests are CSRF-checked in _authorise; token requests carry no cookie
 @require_POST
 def enqueue(request: HttpRequest) -> JsonResponse:
-    """Store one call from a JSON body of send()'s arguments; answer 201 with its id."""
+    """Store one call from a JSON body of send()'s arguments; answer 201 with its id (200: a unique key's holder)."""
     denied = _authorise(request, "dispatcher.add_callqueue")
     if denied is not None:
         return denied
@@ -140,7 +142,10 @@ def enqueue(request: HttpRequest) -> JsonResponse:
             call = CallQueue.objects.send(body["method"], **arguments)
     except (InvalidCall, ValueError, TypeError) as exc:
         return _error(400, str(exc), kind=type(exc).__name__)
-    return JsonResponse({"id": call.id, "status": call.status, "keys": call.keys}, status=201)
+    return JsonResponse(
+        {"id": call.id, "status": call.status, "keys": call.keys, "created": call.created},
+        status=201 if call.created else 200,
+    )
 
 
 @require_GET

@@ -8,6 +8,10 @@ read back with ``get_result()``. OPTIONS:
 
 - ``keys``: ``{"app.tasks.fn": ["partner", "partner:{account_id}"]}``, a task's dotted path to key
   templates formatted from its arguments (by parameter name, positional ones included);
+- ``unique``: ``{"app.tasks.fn": "{order_id}"}`` (or ``{"key": "{order_id}", "for": "10m"}``), a
+  task's dotted path to a unique key template: while a call of the task with the same key (the path,
+  a colon, the template filled from its arguments) waits or runs, and for ``for`` after it was sent,
+  ``.enqueue()`` stores nothing and returns that call's result (see send()'s ``unique_key``);
 - ``max_attempts``: attempts a task gets (default 1: a task that raises is FAILED, as in Django;
   a task that raises ``dispatcher.RateLimited`` waits without spending one).
 
@@ -34,8 +38,9 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from dispatcher import handler, tables
-from dispatcher.exceptions import InvalidParams, PermanentError, RateLimited
-from dispatcher.keys import resolve_keys
+from dispatcher.calls.once import clean_unique
+from dispatcher.exceptions import InvalidCall, InvalidParams, PermanentError, RateLimited
+from dispatcher.keys import format_key, resolve_keys
 from dispatcher.running import current_call
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
@@ -105,6 +110,7 @@ class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.keys = _key_templates(alias, self.options.get("keys", {}))
+        self.unique = _unique_templates(alias, self.options.get("unique", {}))
         self.max_attempts = self.options.get("max_attempts", 1)
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ImproperlyConfigured(f"TASKS[{alias!r}]['OPTIONS']['max_attempts'] must be a whole number >= 1")
@@ -157,6 +163,10 @@ class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where
         named = _named_arguments(task, args, kwargs)
         templates = self.keys.get(task.module_path, ())
         keys = resolve_keys(templates, None, named) if templates else None
+        once: dict[str, Any] = {}
+        if task.module_path in self.unique:
+            template, hold_for = self.unique[task.module_path]
+            once = {"unique_key": f"{task.module_path}:{format_key(template, named)}", "unique_for": hold_for}
         params = {
             "task": task.module_path, "backend": self.alias, "queue_name": task.queue_name,
             "args": args, "kwargs": kwargs,
@@ -171,12 +181,14 @@ class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where
             call = tables.CallQueue.objects.send(
                 TASK_METHOD, params, keys=keys, priority=task.priority, run_at=run_at,
                 max_attempts=self.max_attempts, queue=None if task.queue_name == DEFAULT_TASK_QUEUE_NAME else task.queue_name,
+                **once,
             )
         finally:
             _enqueuing.reset(token)
         result = self._result(call, task, [])
-        # The task exists only if the caller's transaction commits.
-        transaction.on_commit(lambda: task_enqueued.send(type(self), task_result=result), robust=True)
+        # The task exists only if the caller's transaction commits (and only once: a duplicate is the holder's).
+        if call.created:
+            transaction.on_commit(lambda: task_enqueued.send(type(self), task_result=result), robust=True)
         return result
 
     def get_result(self, result_id: str) -> TaskResult:
@@ -226,6 +238,26 @@ def _key_templates(alias: str, option: Any) -> dict[str, tuple[str, ...]]:
         if isinstance(keys, str) or not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
             raise ImproperlyConfigured(f"{where}[{path!r}] must be a list of key templates, like ['partner:{{account}}']")
         templates[path] = tuple(keys)
+    return templates
+
+
+def _unique_templates(alias: str, option: Any) -> dict[str, tuple[str, Any]]:
+    """Return OPTIONS["unique"] checked: a task's dotted path to its unique key template and hold."""
+    where = f"TASKS[{alias!r}]['OPTIONS']['unique']"
+    if not isinstance(option, Mapping):
+        raise ImproperlyConfigured(f"{where} must be a dict of a task's dotted path to a key template")
+    templates = {}
+    for path, entry in option.items():
+        spec = entry if isinstance(entry, Mapping) else {"key": entry}
+        if not isinstance(path, str) or "." not in path or set(spec) - {"key", "for"} or not isinstance(spec.get("key"), str):
+            raise ImproperlyConfigured(
+                f"{where}[{path!r}] must be a key template like '{{order_id}}', or {{'key': '{{order_id}}', 'for': '10m'}}"
+            )
+        try:
+            clean_unique(spec["key"] or "?", spec.get("for"), "keep")
+        except InvalidCall as exc:
+            raise ImproperlyConfigured(f"{where}[{path!r}]: {exc}") from None
+        templates[path] = (spec["key"], spec.get("for"))
     return templates
 
 

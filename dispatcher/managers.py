@@ -66,6 +66,9 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         max_attempts: int | None = None,
         queue: str | None = None,
         cost: int | Mapping[str, int] | None = None,
+        unique_key: str | None = None,
+        unique_for: timedelta | str | None = None,
+        on_duplicate: str = "keep",
     ) -> CallQueue:
         """Store one call in the caller's transaction and return the saved row.
 
@@ -73,15 +76,23 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         higher first (default 0); ``run_at``: not before then; ``max_attempts`` and ``queue``:
         the handler's, else DISPATCHER_MAX_ATTEMPTS and DISPATCHER_QUEUE; ``cost``: units charged
         to every key (an int), or {key: units} (keys not named cost 1); a cost one of the call's
-        policies could never admit is refused (CostNeverFits).
+        policies could never admit is refused (CostNeverFits). ``unique_key``: while a call with this
+        key waits or is in flight (and for ``unique_for`` after it was sent, whatever its state), store
+        nothing and return that call; ``on_duplicate="replace"`` gives a waiting one the new params and
+        ``run_at``. The call returned has ``created``: True if stored, False if it held the key.
         """
         return send.send_one(
             self, method, params, keys=keys, priority=priority, run_at=run_at,
             max_attempts=max_attempts, queue=queue, cost=cost,
+            unique_key=unique_key, unique_for=unique_for, on_duplicate=on_duplicate,
         )
 
     def send_many(self, calls: Iterable[Mapping[str, Any]]) -> list[CallQueue]:
-        """Store many calls (each a dict of send()'s arguments) in one statement; all or none."""
+        """Store many calls (each a dict of send()'s arguments) in one statement; all or none.
+
+        With unique keys, one call is returned per input: a duplicate (of a held key, or of an earlier
+        call in the batch) is the holder, with ``created`` False.
+        """
         return send.send_many(self, calls)
 
     def waiting_key_sets(self, after: str | None = None, limit: int = 10_000) -> list[str]:

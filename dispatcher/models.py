@@ -7,6 +7,7 @@ from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
 
+from dispatcher.calls.once import HOLDS_UNIQUE_KEY
 from dispatcher.limits.shapes import Policy, make_policy
 from dispatcher.managers import CallQueueManager, RateLimitManager
 from dispatcher.states import AttemptOutcome, CallStatus
@@ -53,6 +54,21 @@ class CallQueue(models.Model):
     cost = models.JSONField(
         null=True, blank=True, help_text="Units the call counts against each key's policies, {key: units}; empty: 1 each."
     )
+    # Send once (dispatcher.calls.once): while a call holds its unique key, a send with that key
+    # stores nothing and returns it.
+    unique_key = models.CharField(
+        max_length=255, null=True, blank=True, help_text="While this call holds it, a send with this key returns this call."
+    )
+    unique_until = models.DateTimeField(
+        null=True, blank=True, help_text="The call holds its unique key until then, even finished (send's unique_for)."
+    )
+    unique_released = models.BooleanField(
+        default=False, db_default=False,
+        help_text="The key was let go: the call finished and its unique_until passed, and another send took the key.",
+    )
+
+    # Set on what send() and send_many() return: True for a call stored, False for the call that held the key.
+    created: bool
 
     objects = CallQueueManager()
 
@@ -90,6 +106,10 @@ class CallQueue(models.Model):
                 name="dispatcher_call_status_valid",
             ),
             models.CheckConstraint(condition=Q(max_attempts__gte=1), name="dispatcher_call_max_attempts_gte_1"),
+            # One holder per unique key: send()'s INSERT ... ON CONFLICT (or its savepoint) meets it.
+            models.UniqueConstraint(
+                fields=["unique_key"], condition=HOLDS_UNIQUE_KEY, name="dispatcher_call_unique_key_held"
+            ),
         ]
 
     def __str__(self) -> str:

@@ -145,9 +145,10 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
 
     list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
     list_filter = [CallStateFilter, "method", KeyFilter]
-    search_fields = ["method"]
+    search_fields = ["method", "unique_key"]
     search_help_text = (
-        "Search by call id, or by text in the method, keys, params or last error (secret values are never searched)."
+        "Search by call id, or by text in the method, keys, unique key, params or last error"
+        " (secret values are never searched)."
     )
     change_form_template = "admin/dispatcher/callqueue/change_form.html"
     ordering = ["-id"]
@@ -159,7 +160,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
     actions = ["retry_now", "cancel"]
     fields = [
         "method", "state_label", "why_waiting", "keys_label", "cost_label", "priority", "queue", "attempts_label",
-        "deferrals",
+        "deferrals", "unique_key", "unique_until",
         "run_at_shown", "created_at_shown", "dispatched_at_shown", "started_at_shown", "finished_at_shown",
         "params_shown", "result_shown", "error_shown", "traceback_shown", "attempt_history",
     ]
@@ -172,7 +173,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
         # last_error holds handlers' messages, shown redacted; it is matched on its redacted text too.
         query = (
             Q(method__icontains=term) | Q(key_set__icontains=term) | Q(id__in=_params_matching(queryset, term))
-            | Q(id__in=_errors_matching(queryset, term))
+            | Q(id__in=_errors_matching(queryset, term)) | Q(unique_key__icontains=term)
         )
         number = term.removeprefix("#")
         # ASCII digits only ("²" is a digit to isdigit()), and within the id column's range.

@@ -4,12 +4,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from django.db import connections, models
+from django.db import IntegrityError, connections, models, transaction
 
+from dispatcher.calls import once
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import clean_cost
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidParams
@@ -18,7 +19,7 @@ from dispatcher.limits import catalog
 from dispatcher.registry import get_handler
 from dispatcher.states import CallStatus as Status
 from dispatcher.store import schema
-from dispatcher.store.inserts import NewCall, insert_many, insert_one
+from dispatcher.store.inserts import NewCall, insert_many, insert_many_once, insert_one, insert_one_once
 from dispatcher.validation import OutOfBounds, check_json, check_moment
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class SendOptions(TypedDict, total=False):
     max_attempts: int | None
     queue: str | None
     cost: int | Mapping[str, int] | None
+    unique_key: str | None
+    unique_for: timedelta | str | None
+    on_duplicate: str
 
 
 SEND_ARGUMENTS = {"method", "params", *SendOptions.__optional_keys__}
@@ -126,9 +130,13 @@ def _clean_call(
     max_attempts: Any = None,
     queue: Any = None,
     cost: Any = None,
+    unique_key: Any = None,
+    unique_for: Any = None,
+    on_duplicate: Any = "keep",
 ) -> NewCall:
     """Validate send()'s arguments and return the call to store; raise an InvalidCall (a ValueError) if bad."""
     handler = get_handler(method)
+    unique = once.clean_unique(unique_key, unique_for, on_duplicate)
     clean, text = _clean_params(params, settings.max_params_bytes)
     if handler.validator is not None:
         handler.validate(clean)
@@ -155,7 +163,7 @@ def _clean_call(
         wrong = settings.policies.never_fits(units)
         if wrong:
             raise CostNeverFits(wrong)
-    return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at, units)
+    return NewCall(method, clean, text, call_keys, key_set(call_keys), priority, queue, max_attempts, run_at, units, unique)
 
 
 def _bulk_create_whole(manager: models.Manager[Any], objs: list[Any]) -> list[Any]:
@@ -189,10 +197,14 @@ def send_one(
 ) -> CallQueue:
     """Store one call in the caller's transaction and return the saved row (``CallQueue.objects.send``)."""
     call = _clean_call(_SendSettings(manager.db), method, params, **options)
+    if call.unique is not None:
+        return once.send_once(manager, [call], _store_skipping(manager))[0]
     if schema.postgresql_path(manager.db):
-        return insert_one(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
-    row: CallQueue = manager.model(**call.fields(Status.PENDING))
-    row.save(force_insert=True, using=manager.db)
+        row: CallQueue = insert_one(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
+    else:
+        row = manager.model(**call.fields(Status.PENDING))
+        row.save(force_insert=True, using=manager.db)
+    row.created = True
     return row
 
 
@@ -214,7 +226,52 @@ def send_many(manager: CallQueueManager, calls: Iterable[Mapping[str, Any]]) -> 
             raise type(exc)(f"call {index}: {exc}") from exc
     if not cleaned:
         return []
+    if any(call.unique is not None for call in cleaned):
+        # All or none: a holder found may still refuse a call (replace of another method), and a
+        # call whose holder let go meanwhile is stored by a second statement.
+        with transaction.atomic(using=manager.db):
+            return once.send_once(manager, cleaned, _store_skipping(manager))
     if schema.postgresql_path(manager.db):
         # One statement: every row is stored or none, without a transaction of its own.
-        return insert_many(manager.model, manager.db, connections[manager.db], cleaned, Status.PENDING)
-    return _bulk_create_whole(manager, [manager.model(**call.fields(Status.PENDING)) for call in cleaned])
+        rows = insert_many(manager.model, manager.db, connections[manager.db], cleaned, Status.PENDING)
+    else:
+        rows = _bulk_create_whole(manager, [manager.model(**call.fields(Status.PENDING)) for call in cleaned])
+    for row in rows:
+        row.created = True
+    return rows
+
+
+def _store_skipping(manager: CallQueueManager) -> once.Store:
+    """Return how this database stores calls with unique keys, skipping those whose key is held."""
+    connection = connections[manager.db]
+    if schema.postgresql_path(manager.db):
+        def store_postgresql(calls: list[NewCall]) -> list[CallQueue | None]:
+            if len(calls) == 1:
+                return [insert_one_once(manager.model, manager.db, connection, calls[0], Status.PENDING)]
+            return insert_many_once(manager.model, manager.db, connection, calls, Status.PENDING)
+        return store_postgresql
+
+    def store_portable(calls: list[NewCall]) -> list[CallQueue | None]:
+        # All at once in a savepoint; if a key is held, all but the held ones (a send_many holds
+        # SQLite's write lock by then, so none is taken meanwhile); else one savepoint per call.
+        for attempt in range(2 if len(calls) > 1 else 0):
+            held = once.held_keys(manager, [call.unique.key for call in calls if call.unique]) if attempt else set()
+            free = [call for call in calls if call.unique is None or call.unique.key not in held]
+            try:
+                with transaction.atomic(using=manager.db):
+                    rows = iter(_bulk_create_whole(manager, [manager.model(**c.fields(Status.PENDING)) for c in free]))
+            except IntegrityError:
+                continue
+            return [None if call.unique is not None and call.unique.key in held else next(rows) for call in calls]
+        stored: list[CallQueue | None] = []
+        for call in calls:
+            row = manager.model(**call.fields(Status.PENDING))
+            try:
+                with transaction.atomic(using=manager.db):
+                    row.save(force_insert=True, using=manager.db)
+            except IntegrityError:
+                stored.append(None)
+            else:
+                stored.append(row)
+        return stored
+    return store_portable

@@ -126,8 +126,8 @@ def prune(
 ) -> int:
     """Delete finished calls (and their attempts) older than ``older_than``, a short transaction per batch.
 
-    Only done, failed and cancelled calls are touched, and none that finished within the
-    longest policy period, so the attempt history behind a limiter window stays; the
+    Only done, failed and cancelled calls are touched, none whose unique key ``unique_for`` still
+    holds, and none that finished within the longest policy period, so the attempt history behind a limiter window stays; the
     window log itself (StartLog) is trimmed by ``ledger.prune_starts``, which keeps what
     a window needs. ``progress(done, total)`` is called after every batch. With
     ``dry_run`` nothing is deleted and the number that would be is returned.
@@ -138,8 +138,10 @@ def prune(
     if older_than < timedelta(0):
         raise ValueError("older_than cannot be negative")
     longest = max([timedelta(0), *tables.RateLimit.objects.using(manager.db).values_list("period", flat=True)])
-    cutoff = db_now(manager.db) - max(older_than, longest)
-    old = manager.finished().filter(finished_at__lt=cutoff)
+    now = db_now(manager.db)
+    cutoff = now - max(older_than, longest)
+    # A call still holding its unique key for unique_for (dispatcher.calls.once) stays until then.
+    old = manager.finished().filter(finished_at__lt=cutoff).exclude(unique_until__gt=now)
     total = old.count()
     if dry_run or total == 0:
         if progress is not None:

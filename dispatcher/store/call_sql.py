@@ -37,13 +37,21 @@ def _new_call_defaults() -> dict[str, str]:
     return literals
 
 
-@functools.cache
-def insert_call() -> str:
-    """Insert one call; params: NEW_CALL_FIELDS' values in order, then the status.
+# A call holding its unique key (the partial unique index's condition): ON CONFLICT names it.
+def _unique_conflict() -> str:
+    key, released = column("CallQueue", "unique_key"), column("CallQueue", "unique_released")
+    return f"ON CONFLICT ({key}) WHERE {key} IS NOT NULL AND NOT {released} DO NOTHING"
 
-    run_at defaults to the column's own default (Django's Now() is STATEMENT_TIMESTAMP()), which
-    created_at also gets; it comes back as microseconds since the epoch.
-    """
+
+def _unique_values(before: str, after: str = "") -> dict[str, str]:
+    # unique_until: the statement's timestamp (created_at's) plus the hold, in microseconds.
+    return {
+        "unique_key": f"{before}unique_key{after}::text",
+        "unique_until": f"STATEMENT_TIMESTAMP() + {before}hold_for_us{after}::bigint * INTERVAL '1 microsecond'",
+    }
+
+
+def _insert_call(once: bool) -> str:
     values = {}
     for name in NEW_CALL_FIELDS:
         if name == "run_at":
@@ -51,11 +59,57 @@ def insert_call() -> str:
         else:
             values[name] = f"%({name})s::{pg_type(field_of('CallQueue', name))}"
     values["status"] = "%(status)s"
+    if once:
+        values.update(_unique_values("%(", ")s"))
     names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
     return (
-        f"INSERT INTO {table('CallQueue')} ({names}) VALUES ({exprs})"
+        f"INSERT INTO {table('CallQueue')} ({names}) VALUES ({exprs}) {_unique_conflict() if once else ''}"
         f" RETURNING {column('CallQueue', 'id')}, {epoch_us(column('CallQueue', 'created_at'))}"
     )
+
+
+@functools.cache
+def insert_call() -> str:
+    """Insert one call; params: NEW_CALL_FIELDS' values in order, then the status.
+
+    run_at defaults to the column's own default (Django's Now() is STATEMENT_TIMESTAMP()), which
+    created_at also gets; it comes back as microseconds since the epoch.
+    """
+    return _insert_call(once=False)
+
+
+@functools.cache
+def insert_call_once() -> str:
+    """Insert one call unless another call holds its unique key (no row back then); params: insert_call()'s,
+    unique_key and hold_for_us (microseconds, or NULL)."""
+    return _insert_call(once=True)
+
+
+def _insert_calls(once: bool) -> str:
+    row_fields = [name for name in NEW_CALL_FIELDS if name != "params"]
+    record = ", ".join(f"{name} {pg_type(field_of('CallQueue', name))}" for name in row_fields)
+    values = {name: f"c.{name}" for name in NEW_CALL_FIELDS}
+    values["run_at"] = "COALESCE(c.run_at, STATEMENT_TIMESTAMP())"
+    values["status"] = "%(status)s"
+    if once:
+        row_fields += ["unique_key", "hold_for_us"]
+        record += ", unique_key text, hold_for_us bigint"
+        values.update(_unique_values("c."))
+    names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
+    returned = f"{column('CallQueue', 'id')}, {epoch_us(column('CallQueue', 'created_at'))}"
+    if once:
+        returned += f", {column('CallQueue', 'unique_key')}"
+    return f"""
+        INSERT INTO {table('CallQueue')} ({names})
+        SELECT {exprs}
+        FROM ROWS FROM (
+            json_to_recordset(%(rows)s::json) AS ({record}),
+            jsonb_array_elements(%(params)s::jsonb)
+        ) WITH ORDINALITY AS c({', '.join(row_fields)}, params, ord)
+        ORDER BY c.ord
+        {_unique_conflict() if once else ''}
+        RETURNING {returned}
+    """
 
 
 @functools.cache
@@ -65,22 +119,14 @@ def insert_calls() -> str:
     The calls travel as two JSON documents that the server unpacks: the rows (every field of
     NEW_CALL_FIELDS but params) and the params, each an array in the same order.
     """
-    row_fields = [name for name in NEW_CALL_FIELDS if name != "params"]
-    record = ", ".join(f"{name} {pg_type(field_of('CallQueue', name))}" for name in row_fields)
-    values = {name: f"c.{name}" for name in NEW_CALL_FIELDS}
-    values["run_at"] = "COALESCE(c.run_at, STATEMENT_TIMESTAMP())"
-    values["status"] = "%(status)s"
-    names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
-    return f"""
-        INSERT INTO {table('CallQueue')} ({names})
-        SELECT {exprs}
-        FROM ROWS FROM (
-            json_to_recordset(%(rows)s::json) AS ({record}),
-            jsonb_array_elements(%(params)s::jsonb)
-        ) WITH ORDINALITY AS c({', '.join(row_fields)}, params, ord)
-        ORDER BY c.ord
-        RETURNING {column('CallQueue', 'id')}, {epoch_us(column('CallQueue', 'created_at'))}
-    """
+    return _insert_calls(once=False)
+
+
+@functools.cache
+def insert_calls_once() -> str:
+    """Insert many calls as insert_calls() does, skipping those whose unique key another call holds; each
+    row also carries unique_key and hold_for_us, and the unique key comes back with each stored call."""
+    return _insert_calls(once=True)
 
 
 # --- calls: dispense ---------------------------------------------------------------------------

@@ -14,12 +14,14 @@ from django.utils import timezone
 from dispatcher.store import call_sql
 
 if TYPE_CHECKING:
+    from dispatcher.calls.once import Unique
     from dispatcher.models import CallQueue
 
 # The fields a new call starts with besides what send() sets: what the INSERTs write, or NULL.
 _START = {
     "attempts": 0, "deferrals": 0, "dispatch_no": 0, "dispatched_at": None, "started_at": None,
     "finished_at": None, "result": None, "last_error": "", "last_traceback": "",
+    "unique_key": None, "unique_until": None, "unique_released": False,
 }
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -40,6 +42,8 @@ class NewCall(NamedTuple):
     run_at: datetime | None
     # Units per key when any differs from 1; None: 1 unit on every key.
     cost: dict[str, int] | None = None
+    # The unique key send() was given (dispatcher.calls.once), or None.
+    unique: Unique | None = None
 
     def fields(self, status: str) -> dict[str, Any]:
         """Return the model fields the call sets (run_at only if given: the database fills it)."""
@@ -51,20 +55,51 @@ class NewCall(NamedTuple):
             fields["run_at"] = self.run_at
         if self.cost is not None:
             fields["cost"] = self.cost
+        if self.unique is not None:
+            fields["unique_key"] = self.unique.key
+            if self.unique.hold_for is not None:
+                fields["unique_until"] = timezone.now() + self.unique.hold_for
         return fields
+
+    def hold_for_us(self) -> int | None:
+        """Return how long the call holds its unique key after it was sent, in microseconds (None: while active)."""
+        if self.unique is None or self.unique.hold_for is None:
+            return None
+        return self.unique.hold_for // timedelta(microseconds=1)
 
 
 def insert_one(model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, call: NewCall, status: str) -> CallQueue:
     """Insert one call in the connection's current transaction (or autocommit); return it saved."""
+    stored = _insert_one(model, db, connection, call, status, once=False)
+    assert stored is not None  # only a unique key's holder skips a row
+    return stored
+
+
+def insert_one_once(
+    model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, call: NewCall, status: str
+) -> CallQueue | None:
+    """Insert one call unless another call holds its unique key; return it saved, or None."""
+    return _insert_one(model, db, connection, call, status, once=True)
+
+
+def _insert_one(
+    model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, call: NewCall, status: str, *, once: bool
+) -> CallQueue | None:
     # created_at comes back as microseconds since the epoch, see insert_many().
     params: dict[str, Any] = {
         "method": call.method, "params": call.params_json, "keys": _compact_json.encode(call.keys),
         "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "max_attempts": call.max_attempts,
         "run_at": call.run_at, "status": status, "cost": None if call.cost is None else _compact_json.encode(call.cost),
     }
+    if once:
+        params["unique_key"] = call.unique.key if call.unique else None
+        params["hold_for_us"] = call.hold_for_us()
     with connection.cursor() as cursor:
-        cursor.execute(call_sql.insert_call(), params)
-        pk, created_us = cursor.fetchone()
+        cursor.execute(call_sql.insert_call_once() if once else call_sql.insert_call(), params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    pk, created_us = row
     created_at = _from_epoch_us(connection, created_us)
     return _fresh_instance(model, db, call, status, pk, call.run_at or created_at, created_at)
 
@@ -73,6 +108,20 @@ def insert_many(
     model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, calls: list[NewCall], status: str
 ) -> list[CallQueue]:
     """Insert calls in one statement (all or none); return them saved, in the order given."""
+    return [row for row in _insert_many(model, db, connection, calls, status, once=False) if row is not None]
+
+
+def insert_many_once(
+    model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, calls: list[NewCall], status: str
+) -> list[CallQueue | None]:
+    """Insert calls (keys unique among them) in one statement, skipping those whose unique key another call
+    holds; return one stored call or None per call, in order."""
+    return _insert_many(model, db, connection, calls, status, once=True)
+
+
+def _insert_many(
+    model: type[CallQueue], db: str, connection: BaseDatabaseWrapper, calls: list[NewCall], status: str, *, once: bool
+) -> list[CallQueue | None]:
     # The calls travel as two JSON documents that the server unpacks, and created_at comes
     # back as microseconds since the epoch: arrays (escaped item by item) or timestamps
     # (loaded one by one through Django's time zone loader) cost more than the insert itself.
@@ -81,20 +130,29 @@ def insert_many(
             "method": call.method, "keys": call.keys, "key_set": call.key_set, "priority": call.priority,
             "queue": call.queue, "max_attempts": call.max_attempts,
             "run_at": None if call.run_at is None else call.run_at.isoformat(), "cost": call.cost,
+            **({"unique_key": call.unique and call.unique.key, "hold_for_us": call.hold_for_us()} if once else {}),
         }
         for call in calls
     ])
     params_json = "[" + ",".join(call.params_json for call in calls) + "]"
     with connection.cursor() as cursor:
-        cursor.execute(call_sql.insert_calls(), {"status": status, "rows": rows, "params": params_json})
+        statement = call_sql.insert_calls_once() if once else call_sql.insert_calls()
+        cursor.execute(statement, {"status": status, "rows": rows, "params": params_json})
         inserted = sorted(cursor.fetchall())
     # The rows enter the table in input order (ORDER BY c.ord) and each takes the next id as
     # it does, so the ids sorted are the calls' ids in input order; RETURNING promises no order.
-    created = {us: _from_epoch_us(connection, us) for us in {us for _, us in inserted}}
-    return [
-        _fresh_instance(model, db, call, status, pk, call.run_at or created[us], created[us])
-        for call, (pk, us) in zip(calls, inserted, strict=True)
-    ]
+    # A call with a unique key was stored if its key came back (keys are unique among the calls).
+    created = {us: _from_epoch_us(connection, us) for us in {row[1] for row in inserted}}
+    stored_keys = {row[2] for row in inserted} if once else set()
+    rows_in_order = iter(inserted)
+    out: list[CallQueue | None] = []
+    for call in calls:
+        if call.unique is not None and call.unique.key not in stored_keys:
+            out.append(None)
+            continue
+        pk, us = next(rows_in_order)[:2]
+        out.append(_fresh_instance(model, db, call, status, pk, call.run_at or created[us], created[us]))
+    return out
 
 
 def _fresh_instance(
@@ -106,6 +164,10 @@ def _fresh_instance(
         "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "status": status,
         "run_at": run_at, "max_attempts": call.max_attempts, "created_at": created_at, "cost": call.cost,
     }
+    if call.unique is not None:
+        # As the INSERT computed it: the statement's timestamp (created_at) plus the hold.
+        values["unique_key"] = call.unique.key
+        values["unique_until"] = None if call.unique.hold_for is None else created_at + call.unique.hold_for
     names = _attnames(model)
     return model.from_db(db, names, [values[name] for name in names])
 

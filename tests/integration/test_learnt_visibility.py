@@ -11,8 +11,8 @@ from dispatcher import report_rate_limit
 from dispatcher.models import CallQueue, RateLimit
 from dispatcher.status import key_statuses
 from dispatcher.waits import explain_call
-from tests.starts import log_starts
 from tests.integration.test_metrics import samples
+from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

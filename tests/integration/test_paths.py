@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from django.db.models import Q
 
 import dispatcher.limits.catalog
 import dispatcher.limits.gate
@@ -51,6 +52,18 @@ def _scenario() -> list[str]:
         {"method": "noop", "params": {"n": 5}, "keys": ["paths-window"], "run_at": due, "max_attempts": 1},
         {"method": "noop", "params": {"n": 6}, "keys": ["paths-bucket"], "run_at": due},
     ])
+    # Send once: a duplicate, a replace, and duplicates inside a batch (not due: the claims stay as they were).
+    later = NOW + timedelta(days=1)
+    calls.send("noop", {"n": 7}, keys=["paths-window"], run_at=later, unique_key="paths-once")
+    calls.send("noop", {"n": 8}, keys=["paths-window"], run_at=later, unique_key="paths-once")
+    calls.send("noop", {"n": 9}, keys=["paths-bucket"], run_at=later + timedelta(hours=1), unique_key="paths-once",
+               on_duplicate="replace")
+    calls.send_many([
+        {"method": "noop", "params": {"n": 10}, "run_at": later, "unique_key": "paths-many", "unique_for": "1h"},
+        {"method": "noop", "params": {"n": 11}, "run_at": later, "unique_key": "paths-many"},
+        {"method": "noop", "params": {"n": 12}, "run_at": later, "unique_key": "paths-once"},
+        {"method": "noop", "params": {"n": 13}, "run_at": later},
+    ])
     said = []
     finishes = [
         lambda s: calls.finish_done(s.call, s.attempt, {"ok": s.call.params["n"]}),
@@ -77,8 +90,8 @@ def _rows() -> dict[str, Any]:
             for row in CallQueue.objects.order_by("id").values(
                 "id", "method", "params", "keys", "key_set", "priority", "queue", "status", "run_at", "attempts",
                 "max_attempts", "deferrals", "dispatch_no", "dispatched_at", "started_at", "finished_at", "result",
-                "last_error", "last_traceback", "cost",
-            )
+                "last_error", "last_traceback", "cost", "unique_key", "unique_released",
+            ).annotate(holds_for_a_while=Q(unique_until__isnull=False))
         ],
         "attempts": sorted(
             (order[a["call_id"]], a["number"], a["outcome"], a["error"], a["started_at"], a["finished_at"], a["worker"])
@@ -121,7 +134,7 @@ def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
     taken = []
     for module, name in (
         (dispense, "_claim_rows_postgresql"), (start, "_mark_running_postgresql"), (finish, "_finish_postgresql"),
-        (send, "insert_one"), (send, "insert_many"),
+        (send, "insert_one"), (send, "insert_many"), (send, "insert_one_once"), (send, "insert_many_once"),
     ):
         monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
     for module in (dispatcher.limits.catalog, dispatcher.limits.gate):
