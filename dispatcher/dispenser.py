@@ -12,14 +12,14 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from celery import current_app
-from django.db import close_old_connections, connections
+from django.db import DatabaseError, close_old_connections, connections
 
 from dispatcher import liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.limits import catalog, locks
-from dispatcher.managers import Claimed
+from dispatcher.managers import BatchClaim, Claimed
 from dispatcher.models import CallQueue
 from dispatcher.store import schema
 
@@ -70,7 +70,7 @@ class Dispenser:
         report.key_sets = len(key_sets)
         waits: list[datetime] = []
         if key_sets:
-            claimed = CallQueue.objects.claim_batch(key_sets, self.batch, policies)
+            claimed = self._claim(key_sets, policies)
             report.moved = len(claimed.calls)
             if claimed.calls:
                 self._publish(claimed.calls, report)
@@ -95,6 +95,28 @@ class Dispenser:
                 report.moved, report.published, report.put_back, report.key_sets,
             )
         return report
+
+    def _claim(self, key_sets: list[str], policies: catalog.Policies) -> BatchClaim:
+        """Claim the pass's batch; if that fails, claim each key set on its own and skip the ones
+        that fail, so one key's trouble (a stored value, an API's lesson) never stops the others."""
+        try:
+            return CallQueue.objects.claim_batch(key_sets, self.batch, policies)
+        except DatabaseError as exc:
+            log.error("dispense_batch_failed key_sets=%s error=%r; claiming each key set alone", len(key_sets), exc)
+        claimed = BatchClaim([], {})
+        budget = self.batch
+        for key_set in key_sets:
+            if budget <= 0:
+                break
+            try:
+                one = CallQueue.objects.claim_batch([key_set], budget, policies)
+            except DatabaseError as exc:
+                log.error("dispense_key_set_skipped key_set=%s error=%r", key_set[:200], exc)
+                continue
+            claimed.calls.extend(one.calls)
+            claimed.verdicts.update(one.verdicts)
+            budget -= len(one.calls)
+        return claimed
 
     def _publish(self, calls: list[Claimed], report: PassReport) -> None:
         """Publish claimed calls; put back at once whatever the broker did not take."""
