@@ -251,6 +251,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             "drain": status.drain_text(humanize_duration),
             "next_free": status.next_free_text(format_moment) if status.blocked or status.held_by else free_now,
             "paused": format_moment(status.paused_until, status.now) if status.paused_until else "",
+            "shares": _shares(status),
         })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}
     if refresh != DEFAULT_REFRESH:
@@ -262,3 +263,20 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
         "segments": SEGMENTS, "now": format_moment(now, now),
     }
     return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)
+
+
+def _shares(status: live.KeyStatus) -> list[dict[str, Any]]:
+    """Each key set's share of a key several share, over the key's longest window (``status.shares_of``)."""
+    if not status.waiting:
+        return []
+    window = max((p.policy.period for p in status.policies), default=timedelta(minutes=1))
+    shares = live.shares_of(status.key, status.now, window)
+    total = sum(share.units for share in shares) or 1
+    return [
+        {
+            "keys": ", ".join(k for k in parse_key_set(share.key_set) if k != status.key) or "(this key alone)",
+            "units": share.units, "percent": round(100 * share.units / total), "waiting": share.waiting,
+            "oldest_wait": humanize_duration(share.oldest_wait),
+        }
+        for share in shares
+    ]

@@ -121,3 +121,14 @@ def test_a_weight_is_refused_out_of_range_and_changes_nothing():
         with pytest.raises(CommandError):
             call_command("ratelimit", "weight", "mail:*", bad)
     assert not KeyState.objects.filter(weight__isnull=False).exists()
+
+
+def test_the_dashboard_shows_each_tenants_share_of_the_shared_key(admin_client):
+    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    _send_in_tenant_order(3)
+    Dispenser().run_once()
+    for call in CallQueue.objects.filter(status=CallQueue.Status.DISPATCHED):
+        execute(call.id, call.dispatch_no)
+    page = admin_client.get("/dispatcher/dashboard/?q=mail").content.decode()
+    assert "Shares of mail over its last window, least served first" in page
+    assert page.count("<td>mail:t") == TENANTS
