@@ -267,7 +267,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
 
 def _shares(status: live.KeyStatus) -> list[dict[str, Any]]:
     """Each key set's share of a key several share, over the key's longest window (``status.shares_of``)."""
-    if not status.waiting:
+    if status.competing < 2:
         return []
     window = max((p.policy.period for p in status.policies), default=timedelta(minutes=1))
     shares = live.shares_of(status.key, status.now, window)

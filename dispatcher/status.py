@@ -82,6 +82,8 @@ class KeyStatus:
     next_free_at: datetime | None = None
     # Another key of its waiting calls that holds them past this key's own free slot.
     held_by: str = ""
+    # How many key sets with waiting calls carry the key (two or more share it: fair turns).
+    competing: int = 0
 
     @property
     def in_flight(self) -> int:
@@ -295,17 +297,21 @@ def _hold_by_other_keys(
     """Move each key's next free slot to when one of its waiting calls can really start: a call
     waits for every key it carries (and its run_at), so the slot is the earliest, over the key's
     waiting key sets, of the latest free slot of their keys."""
+    # Each waiting key set read once, and found by each of its keys.
+    by_key: dict[str, list[tuple[list[str], datetime]]] = {}
+    for row in waiting_sets:
+        keys = parse_key_set(row["key_set"])
+        for key in keys:
+            by_key.setdefault(key, []).append((keys, max(row["first"] or now, now)))
     others: dict[str, KeyStatus] = {}
     for status in statuses.values():
         if not status.waiting:
             continue
+        status.competing = len(by_key.get(status.key, ()))
         best: tuple[datetime, str] | None = None
         unknown = False
-        for row in waiting_sets:
-            keys = parse_key_set(row["key_set"])
-            if status.key not in keys:
-                continue
-            moment: datetime | None = max(row["first"] or now, now)
+        for keys, first in by_key.get(status.key, ()):
+            moment: datetime | None = first
             holder = ""
             for other in keys:
                 if other not in statuses and other not in others:

@@ -94,7 +94,7 @@ class Command(BaseCommand):
         """Say, for each key that key sets share, what each got over the key's window and its oldest wait."""
         lines: list[str] = []
         for status in statuses:
-            if not status.waiting:
+            if status.competing < 2:
                 continue
             window = max((p.policy.period for p in status.policies), default=timedelta(minutes=1))
             shares = live.shares_of(status.key, status.now, window)
