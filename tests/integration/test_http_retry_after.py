@@ -52,8 +52,9 @@ def test_the_calls_admitted_before_the_429_and_the_reset_become_a_learnt_window(
 
 def test_the_others_refused_in_the_same_window_teach_nothing_more(api):
     from dispatcher.clock import db_now
-    from dispatcher.learning import infer_from_retry_after, running_call
+    from dispatcher.learning import infer_from_retry_after
     from dispatcher.models import Attempt
+    from dispatcher.running import running
 
     send(api, 4)
     assert run_next(4) == ["done", "done", "done", "rate_limited"]
@@ -61,14 +62,14 @@ def test_the_others_refused_in_the_same_window_teach_nothing_more(api):
     refused = Attempt.objects.get(outcome="rate_limited")
     assert first[3] == refused.started_at  # the start of the call whose refusal taught it
     # Another call refused in flight: it started after the teacher, before the lesson was drawn.
-    with running_call(["partner"], refused.started_at + timedelta(microseconds=1)):
+    with running(keys=["partner"], started_at=refused.started_at + timedelta(microseconds=1)):
         infer_from_retry_after(30.0)
     # And one that started later, with no call admitted since the lesson.
-    with running_call(["partner"], db_now()):
+    with running(keys=["partner"], started_at=db_now()):
         infer_from_retry_after(30.0)
     assert list(LearntLimit.objects.filter(key="partner").values_list("pk", "limit", "period", "observed_at")) == [first]
     # One refused in flight that started before the teacher was counted as admitted: taken back.
-    with running_call(["partner"], refused.started_at - timedelta(milliseconds=1)):
+    with running(keys=["partner"], started_at=refused.started_at - timedelta(milliseconds=1)):
         infer_from_retry_after(30.0)
     assert LearntLimit.objects.get(pk=first[0]).limit == first[1] - 1
 

@@ -15,6 +15,7 @@ from dispatcher import learning, ratelimit_headers
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.models import KeyState, LearntLimit, RateLimit
+from dispatcher.running import running
 from tests.unit.test_ratelimit_headers import header_values, names
 
 pytestmark = pytest.mark.django_db
@@ -28,7 +29,7 @@ def test_hostile_headers_never_pause_beyond_the_bound_nor_loosen_a_policy(fields
                           .replace("\r", "").replace("\n", "")) for name, value in fields])
     found = ratelimit_headers.parse(raw, status, time.time())
     before = db_now()
-    with learning.running_call(["partner"], before - timedelta(seconds=1)):
+    with running(keys=["partner"], started_at=before - timedelta(seconds=1)):
         learning.apply(found)
         if status == 429:
             learning.infer_from_retry_after(found.retry_after, found.text)

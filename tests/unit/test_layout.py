@@ -160,3 +160,16 @@ def test_no_module_of_the_app_is_longer_than_the_limit():
         if "migrations" not in path.parts and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def test_the_running_call_has_one_context_variable():
+    """What a worker knows of the call it runs lives in one object (``dispatcher.running.Run``) held
+    by one ContextVar; the Tasks backend's own flag (a task enqueued from inside a send) is the only
+    other one."""
+    holders = {
+        name
+        for name, tree in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar")
+    }
+    assert holders == {"dispatcher.running", "dispatcher.backends"}
