@@ -338,7 +338,7 @@ class TokenBucket(Policy):
         """
         if tat is None or tat <= now:
             return tat
-        owed = min(Fraction(_us(tat - now)) / self.interval, 2 * self.depth)
+        owed: Fraction = min(Fraction(_us(tat - now)) / self.interval, Fraction(2 * self.depth))
         return now + _ceil_us(owed * new.interval)
 
     def explain(self) -> str:
