@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.db.models import Max, Sum
+from django.db.models.expressions import RawSQL
 
 from dispatcher import tables
 from dispatcher.clock import db_now
@@ -26,6 +27,7 @@ from dispatcher.limits import gate, ledger, locks
 from dispatcher.ratelimit_headers import Signal, signal
 from dispatcher.running import here
 from dispatcher.states import AttemptOutcome, CallStatus
+from dispatcher.store import call_sql
 
 if TYPE_CHECKING:
     from dispatcher.models import LearntLimit
@@ -220,7 +222,7 @@ def _budget(
         return
     source = f"{found.source or 'handler'}:remaining"[:40]
     model.objects.filter(key=key, source=source).delete()
-    running = tables.CallQueue.objects.filter(status=CallStatus.RUNNING).values("id")
+    running = RawSQL(call_sql.running_ids(), [CallStatus.RUNNING])
     first = (
         tables.StartLog.objects.filter(key=key, call_id__in=running, started_at__lte=now)
         .order_by("started_at").values_list("started_at", flat=True).first()

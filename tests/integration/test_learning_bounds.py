@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from dispatcher import learning, ratelimit_headers
 from dispatcher.dispenser import Dispenser
 from dispatcher.handlers import http
-from dispatcher.models import CallQueue, LearntLimit, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, LearntLimit
 from dispatcher.running import running
 from support.fakeapi import answer
 from tests.hostile_corpus import HEADERS
@@ -38,7 +39,7 @@ def teach(headers: httpx.Headers, keys: list[str]) -> None:
 
 def test_ten_thousand_fresh_windows_leave_a_bounded_number_of_rows(make_call):
     rng = random.Random(24)
-    RateLimit.objects.set_policy("other", 100, timedelta(seconds=1))
+    edit.set_policy("other", 100, timedelta(seconds=1))
     for _ in range(10_000):
         teach(policy_answer(rng), ["flood"])
     assert LearntLimit.objects.filter(key="flood").count() <= BOUND
