@@ -41,8 +41,7 @@ class _Request:
 class StartCombiner:
     """Hand a thread's start to the group being led, or lead one (see the module's docstring)."""
 
-    def __init__(self, start_one: Callable[..., Any], start_many: Callable[..., list[Any]]) -> None:
-        self._start_one = start_one
+    def __init__(self, start_many: Callable[..., list[Any]]) -> None:
         self._start_many = start_many
         self._lock = threading.Lock()
         self._waiting: list[_Request] = []
@@ -72,10 +71,7 @@ class StartCombiner:
         try:
             for may_wait in dict.fromkeys(r.may_wait for r in group):
                 part = [r for r in group if r.may_wait == may_wait]
-                if len(part) == 1:
-                    results = [self._start_one(*part[0].delivery, worker, may_wait=may_wait)]
-                else:
-                    results = self._start_many([r.delivery for r in part], worker, may_wait=may_wait)
+                results = self._start_many([r.delivery for r in part], worker, may_wait=may_wait)
                 noted = arrivals.snapshot()
                 for request, result in zip(part, results, strict=True):
                     request.result, request.noted = result, noted

@@ -85,7 +85,7 @@ def _combined_start(call_id: int, dispatch_no: int, worker: str, *, may_wait: ti
     combiner = _combiners.get(manager.db)
     if combiner is None:
         with _combiners_lock:
-            combiner = _combiners.setdefault(manager.db, StartCombiner(manager.start, manager.start_many))
+            combiner = _combiners.setdefault(manager.db, StartCombiner(manager.start_many))
     return combiner.start(call_id, dispatch_no, worker, may_wait=may_wait)
 
 

@@ -369,7 +369,7 @@ class StartRecord:
     log: list[tuple[str, int, int]] = field(default_factory=list)
     buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
     # Per bucket, the microseconds the start charged beyond max(tat, now): a start recorded at a
-    # later clock carries the same charge from there (call_sql.mark_running).
+    # later clock carries the same charge from there (call_sql.mark_running_group).
     charged: list[int] = field(default_factory=list)
 
 

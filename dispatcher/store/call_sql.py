@@ -279,7 +279,11 @@ def _start_assignments(started_at: str, attempts: str, calls: str, units: str, t
 
 @functools.cache
 def mark_running_group() -> str:
-    """Start the admitted calls of one message in one statement (``start_many``).
+    """Start the admitted calls of one message (or a call alone) in one statement (``start_many``).
+
+    The starts are recorded at the statement's own clock, never before the clock they were judged
+    on (%(now)s): a slow judgement cannot date a start earlier than it happened. Each bucket's last
+    state is carried to that clock with what the group charged it (%(b_charged)s).
 
     Params: the calls' ids and dispatch numbers (%(ids)s, %(nos)s) and their count (%(n)s); the
     start log with each row's call (%(log_calls)s); the buckets' last states; per key the calls,
@@ -292,10 +296,10 @@ def mark_running_group() -> str:
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
     k = functools.partial(column, "KeyState")
-    started, counters = _start_assignments("%(now)s", f"{call}.{c('attempts')}", "g.calls", "g.units", "g.total")
+    started, counters = _start_assignments("clock.now", f"{call}.{c('attempts')}", "g.calls", "g.units", "g.total")
     return f"""
         WITH clock AS (
-            SELECT %(now)s::timestamptz AS now
+            SELECT GREATEST(clock_timestamp(), %(now)s::timestamptz) AS now
         ), d AS (
             SELECT * FROM unnest(%(ids)s::bigint[], %(nos)s::int[]) AS d(id, dispatch_no)
         ), ready AS (
@@ -306,7 +310,7 @@ def mark_running_group() -> str:
             ) AS locked
         ), started AS (
             UPDATE {call} SET {started}
-            FROM d, ready
+            FROM d, ready, clock
             WHERE {call}.{c('id')} = d.id AND {call}.{c('status')} = %(dispatched)s
                 AND {call}.{c('dispatch_no')} = d.dispatch_no AND ready.all_won
             RETURNING {call}.*
@@ -320,36 +324,6 @@ def mark_running_group() -> str:
         )
         SELECT attempt.id, attempt.number, {columns('CallQueue', 'started.')}
         FROM started JOIN attempt ON attempt.call_id = started.{c('id')}
-    """
-
-
-@functools.cache
-def mark_running() -> str:
-    """Start a call in one statement: the guarded update, the attempt, the start log, buckets, the counters.
-
-    The start is recorded at the statement's own clock (never before the clock it was judged on,
-    %(now)s), so the recorded start lies as close to the handler's request as the transaction
-    allows. Safe under the key locks held from the judgement to the commit: a window that had room
-    then still has it (its old starts only age out), and a bucket's charge is carried to the later
-    clock (``_start_writes``). Returns the attempt's id and number, then every column of the call
-    (``columns`` order).
-    """
-    c = functools.partial(column, "CallQueue")
-    k = functools.partial(column, "KeyState")
-    started, counters = _start_assignments("(SELECT now FROM clock)", c("attempts"), "1", "log.units", "log.cum")
-    return f"""
-        WITH clock AS (
-            SELECT GREATEST(%(now)s::timestamptz, {CLOCK}) AS now
-        ), started AS (
-            UPDATE {table('CallQueue')} SET {started}
-            WHERE {c('id')} = %(id)s AND {c('status')} = %(dispatched)s AND {c('dispatch_no')} = %(dispatch_no)s
-            RETURNING *
-        ), {_start_writes("started", f"started.{c('id')}", ("started", "TRUE"))}, counters AS (
-            UPDATE {table('KeyState')} AS state SET {counters}
-            FROM {_START_LOG}
-            WHERE state.{k('key')} = log.key AND EXISTS (SELECT 1 FROM started)
-        )
-        SELECT attempt.id, attempt.number, {columns('CallQueue', 'started.')} FROM started, attempt
     """
 
 

@@ -31,15 +31,11 @@ class Recording(StartCombiner):
         self.groups: list[int] = []
         manager = CallQueue.objects
 
-        def one(*args, **kwargs):
-            self.groups.append(1)
-            return manager.start(*args, **kwargs)
-
         def many(deliveries, *args, **kwargs):
             self.groups.append(len(deliveries))
             return manager.start_many(deliveries, *args, **kwargs)
 
-        super().__init__(one, many)
+        super().__init__(many)
 
 
 def _spawn(combiner: StartCombiner, deliveries: list[tuple[int, int]]) -> tuple[list[threading.Thread], dict]:
@@ -108,12 +104,7 @@ def test_a_failed_group_start_reaches_every_thread_of_the_group_and_the_next_gro
             raise RuntimeError("database went away")
         return manager.start_many(group, *args, **kwargs)
 
-    def one(*args, **kwargs):
-        if failing["on"]:
-            raise RuntimeError("database went away")
-        return manager.start(*args, **kwargs)
-
-    combiner = StartCombiner(one, many)
+    combiner = StartCombiner(many)
     threads, results = _spawn(combiner, deliveries)
     _join(threads)
     assert all(isinstance(r, RuntimeError) for r in results.values())

@@ -21,7 +21,7 @@ import dispatcher.retry
 import dispatcher.store.limit_sql
 import dispatcher.store.schema
 from dispatcher.calls import dispense, finish, send, start
-from dispatcher.limits import catalog, edit
+from dispatcher.limits import catalog, edit, gate
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.clocks import fake_db_clock
 
@@ -36,6 +36,9 @@ def fixed_clock(monkeypatch, settings):
     clock = lambda using=None: NOW  # noqa: E731
     fake_db_clock(monkeypatch, clock)
     monkeypatch.setattr(catalog.Policies, "load_with_clock", classmethod(lambda cls, using=None: (cls.load(using), NOW)))
+    # A start with policies this process kept reads the clock in its own statement: with none kept
+    # (as in a new process), every start reads the fixed clock above, whatever ran before.
+    monkeypatch.setattr(gate, "kept_policies", lambda using=None: None)
 
 
 def _scenario() -> list[str]:
