@@ -36,6 +36,7 @@ from dispatcher.admin.common import (
     _pretty_json,
     known_keys,
 )
+from dispatcher.admin.failures import FailuresViews
 
 # Search in params looks at this many of the newest calls whose stored params contain the text.
 PARAMS_SEARCH_CANDIDATES = 200
@@ -186,6 +187,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
             path("keys/", self.admin_site.admin_view(self.keys_view), name="dispatcher_callqueue_keys"),
             path("<int:call_id>/retry/", self.admin_site.admin_view(self.retry_view), name="dispatcher_callqueue_retry"),
             path("<int:call_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="dispatcher_callqueue_cancel"),
+            *FailuresViews(self).urls(),
         ]
         return urls + super().get_urls()
 
