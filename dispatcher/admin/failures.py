@@ -2,6 +2,7 @@
 retry or cancel, each behind a page that says what will happen to how many calls."""
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode
 
@@ -15,7 +16,7 @@ from django.utils.translation import ngettext
 from dispatcher import failures
 from dispatcher.admin.common import ModelAdmin, _log_change
 from dispatcher.clock import db_now
-from dispatcher.durations import format_moment
+from dispatcher.durations import format_moment, humanize
 from dispatcher.keys import parse_key_set
 from dispatcher.models import CallQueue
 
@@ -43,6 +44,11 @@ def _refusal(params: QueryDict, allowed: set[str]) -> str:
     if state not in ("", *failures.STATES):
         return f"state is one of {', '.join(failures.STATES)}."
     return ""
+
+
+def _seen(moment: datetime | None, now: datetime) -> dict[str, str]:
+    """A moment as the list shows it: relative, the full moment on hover."""
+    return {"short": humanize(moment, now), "full": format_moment(moment, now)} if moment else {"short": "-", "full": ""}
 
 
 def _bad(text: str) -> HttpResponse:
@@ -88,8 +94,7 @@ class FailuresViews:
             group_url = reverse("admin:dispatcher_callqueue_failures_group")
             rows.append({
                 "group": group,
-                "first_seen": format_moment(group.first_seen, now) if group.first_seen else "-",
-                "last_seen": format_moment(group.last_seen, now) if group.last_seen else "-",
+                "first_seen": _seen(group.first_seen, now), "last_seen": _seen(group.last_seen, now),
                 "example_url": reverse("admin:dispatcher_callqueue_change", args=[group.example]),
                 "retry_url": f"{group_url}?{urlencode({**query, 'do': 'retry'})}",
                 "cancel_url": f"{group_url}?{urlencode({**query, 'do': 'cancel'})}" if group.state == failures.RETRYING else "",
@@ -122,11 +127,11 @@ class FailuresViews:
         count = calls.count()
         shown = min(count, failures.BULK_MAX)
         if action == "retry":
-            effect = ("Each gets one more attempt, due now." if state == failures.FAILED
-                      else "Each is made due now, without waiting for its retry's delay.")
+            effect = ("each gets one more attempt, due now." if state == failures.FAILED
+                      else "each is made due now, without waiting for its retry's delay.")
             effect += " Their keys' limits and pauses still apply."
         else:
-            effect = "Each is cancelled and will not run; a call already dispatched or running is left alone."
+            effect = "each is cancelled and will not run; a call already dispatched or running is left alone."
         example = calls.order_by("-id").values_list("id", flat=True).first()
         verb = ACTIONS[action]
         title = f"{verb} {ngettext('%d call', '%d calls', shown) % shown}?" if count else f"{verb}: no call left in this group"
