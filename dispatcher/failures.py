@@ -46,13 +46,13 @@ def error_class() -> Case:
     - a network failure's kind (``connection refused``, ``timeout``, ``TLS``, ``too large``...)
       where the error names it (an endpoint the allow-list names exactly, docs/http.md), and
       ``network failure (kind not shown)`` where it reads "no usable answer";
-    - ``429 (gave up after deferrals)``, ``lost (no result in time)``, ``unreadable row``;
+    - ``HTTP 429 (rate limited)``, ``lost (no result in time)``, ``unreadable row``;
     - else the exception's class as the worker stored it (the text before the first ": "), cut to
       ``CLASS_CHARS``; ``(no error text)`` for an empty error.
     """
     whens = [
         When(last_error="", then=Value("(no error text)")),
-        When(last_error__startswith="RateLimited: ", then=Value("429 (gave up after deferrals)")),
+        When(last_error__startswith="RateLimited: ", then=Value("HTTP 429 (rate limited)")),
         When(last_error__startswith="lost: ", then=Value("lost (no result in time)")),
         When(last_error__startswith="unreadable row", then=Value("unreadable row")),
         *(When(last_error__regex=f"{_CLASS_PATH}HTTP {family}[0-9][0-9]", then=Value(f"HTTP {family}xx")) for family in "543"),
