@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from django.db.models import Case, CharField, Count, Max, Min, Q, QuerySet, Value, When, Window
-from django.db.models.functions import Coalesce, Left, StrIndex, Substr
-from django.db.models.lookups import Contains, StartsWith
+from django.db.models.functions import Coalesce, StrIndex, Substr
+from django.db.models.lookups import Contains, LessThanOrEqual, StartsWith
 
 from dispatcher.keys import key_in_set, parse_key_set
 from dispatcher.models import CallQueue
@@ -35,6 +35,7 @@ CLASS_CHARS = 120
 # the message follows.
 NETWORK_KINDS = [kind for _, kind in KINDS] + [TOO_LARGE]
 NO_KIND = "network failure (kind not shown)"
+UNCLASSIFIED = "(unclassified)"
 
 
 def error_class() -> Case:
@@ -49,14 +50,20 @@ def error_class() -> Case:
       shown)`` where it reads "no usable answer";
     - ``HTTP 429 (rate limited)``, ``lost (no result in time)``, ``unreadable row``;
     - else the exception's class as the worker stored it (the text before the first ": "), cut to
-      ``CLASS_CHARS``; ``(no error text)`` for an empty error.
+      ``CLASS_CHARS``, if it reads like one (no space, at most ``CLASS_CHARS``); ``(unclassified)``
+      for any other text (a row not written by a worker: its text is never shown as a class),
+      ``(no error text)`` for an empty error.
 
     Prefix and substring tests only (no regular expression): the database runs them on every
     failing call of every page.
     """
     split = StrIndex("last_error", Value(": "))
     message = Substr("last_error", split + 2)  # worked out only for errors the outer tests let through
-    class_path = Left(Substr("last_error", 1, split - 1), CLASS_CHARS)
+    prefix = Substr("last_error", 1, split - 1)
+    class_path = Case(
+        When(Q(LessThanOrEqual(split, CLASS_CHARS + 1)) & ~Q(Contains(prefix, " ")), then=prefix),
+        default=Value(UNCLASSIFIED),
+    )
     http_status = Case(
         *(When(StartsWith(message, f"HTTP {family}"), then=Value(f"HTTP {family}xx")) for family in "543"),
         default=class_path,
@@ -77,7 +84,7 @@ def error_class() -> Case:
         When(last_error__contains=": http: ", then=network),
         When(last_error__contains=": ", then=class_path),
     ]
-    return Case(*whens, default=Left("last_error", CLASS_CHARS), output_field=CharField())
+    return Case(*whens, default=Value(UNCLASSIFIED), output_field=CharField())
 
 
 def _state() -> Case:

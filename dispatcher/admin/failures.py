@@ -19,6 +19,7 @@ from dispatcher.clock import db_now
 from dispatcher.durations import format_moment, humanize
 from dispatcher.keys import parse_key_set
 from dispatcher.models import CallQueue
+from dispatcher.redact import redact_text
 
 LIST_PARAMS = {"key", "state", "p"}
 GROUP_PARAMS = {"key_set", "state", "class", "do"}
@@ -91,13 +92,18 @@ class FailuresViews:
         rows = []
         for group in page.groups:
             query = {"key_set": group.key_set, "state": group.state, "class": group.error_class}
+            # A class is an exception's name or a fixed label; one that redaction would change is
+            # shown redacted and offers no action (its text would ride in the links).
+            shown_class = redact_text(group.error_class)
+            actable = can_change and shown_class == group.error_class
             group_url = reverse("admin:dispatcher_callqueue_failures_group")
             rows.append({
                 "group": group,
                 "first_seen": _seen(group.first_seen, now), "last_seen": _seen(group.last_seen, now),
                 "example_url": reverse("admin:dispatcher_callqueue_change", args=[group.example]),
-                "retry_url": f"{group_url}?{urlencode({**query, 'do': 'retry'})}",
-                "cancel_url": f"{group_url}?{urlencode({**query, 'do': 'cancel'})}" if group.state == failures.RETRYING else "",
+                "error_class": shown_class,
+                "retry_url": f"{group_url}?{urlencode({**query, 'do': 'retry'})}" if actable else "",
+                "cancel_url": f"{group_url}?{urlencode({**query, 'do': 'cancel'})}" if actable and group.state == failures.RETRYING else "",
             })
         filters = {k: v for k, v in (("key", key), ("state", state)) if v}
         pages = {

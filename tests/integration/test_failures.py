@@ -187,3 +187,15 @@ def test_a_group_emptied_meanwhile_says_so(operator, make_call):
 def test_the_index_and_the_calls_list_link_the_failures(operator):
     assert FAILURES in operator.get("/admin/").content.decode()
     assert FAILURES in operator.get("/admin/dispatcher/callqueue/").content.decode()
+
+
+def test_an_error_not_written_by_a_worker_is_unclassified_and_a_secret_never_shown(operator, make_call):
+    failed(make_call, "a sentence stored by hand: with words", ["a"])
+    failed(make_call, "no separator at all", ["a"])
+    failed(make_call, "password=hunter2: stored by SQL", ["b"])
+    assert {(g.keys[0], g.error_class) for g in failures.groups().groups} == {
+        ("a", failures.UNCLASSIFIED), ("b", "password=hunter2"),
+    }
+    page = operator.get(FAILURES).content.decode()
+    assert "hunter2" not in page
+    assert page.count("group-retry") == 1  # the redacted class offers no action: its text would ride in the link
