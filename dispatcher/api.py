@@ -85,6 +85,7 @@ def call_data(call: Any) -> dict[str, Any]:
         "id": call.id,
         "method": call.method,
         "status": call.status,
+        "state": call.get_status_display(),  # the word every screen uses ("Waiting" for "pending")
         "keys": call.keys,
         "attempts": call.attempts,
         "max_attempts": call.max_attempts,

@@ -19,6 +19,7 @@ from dispatcher import PermanentError, RateLimited, arrivals, handler, httpclien
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidParams
 from dispatcher.httpclient import get_client, is_internal, read_body
+from dispatcher.neterrors import network_cause
 from dispatcher.redact import SECRET_NAME, scrub, secret_parts
 
 try:  # registers the ``task`` method; a site without Django Tasks (Django 5.2, no backport) has none
@@ -87,6 +88,13 @@ class HostRule:
             return ip_literal(self.pattern) == address
         return validate_host(host, [self.pattern])
 
+    def names(self, host: str, scheme: str, port: int | None) -> bool:
+        """Say whether this entry names the host and its port exactly: no pattern, no any-port."""
+        if self.any_port or self.pattern == "*" or self.pattern.startswith("."):
+            return False
+        effective = port if port is not None else DEFAULT_PORTS[scheme]
+        return self.pattern == host.lower() and effective == (self.port if self.port is not None else DEFAULT_PORTS[scheme])
+
 
 def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """Return the address a host names literally (``[::1]`` too), else None."""
@@ -99,6 +107,26 @@ def ip_literal(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
 def host_rules(entries: list[str]) -> list[HostRule]:
     """Parse allow-list entries; an unparsable one raises ValueError."""
     return [HostRule.parse(entry) for entry in entries if entry.strip()]
+
+
+def unreachable(origin: str, host: str, scheme: str, port: int | None, timeout: float, exc: BaseException) -> str:
+    """Return the text of a failure to talk to a host: its kind for an endpoint the allow-list names
+    exactly, else one text for every kind.
+
+    An operator who lists ``api.example.com`` chose that endpoint: "connection refused" or "name
+    resolution" tells the caller nothing the operator did not publish. A pattern (``.example.com``,
+    ``*``) or an any-port entry (``10.0.0.5:*``) lets a caller pick names and ports: there the kind
+    would map which ports are open and which names resolve, so every failure reads the same. The
+    worker's log names the kind in both cases (``neterrors``); the text holds no address, no OS
+    message and nothing of the request.
+    """
+    flat = f"http: no usable answer from {origin} within {timeout:g}s"
+    kind = network_cause(exc)
+    if kind is None or not any(rule.names(host, scheme, port) for rule in host_rules(dispatcher_settings.HTTP_ALLOWED_HOSTS)):
+        return flat
+    if kind == "timeout":
+        return f"http: {origin}: timeout (no complete answer within {timeout:g}s)"
+    return f"http: {origin}: {kind}"
 
 
 def _url_host(url: str) -> tuple[str, str, int | None]:
@@ -338,10 +366,10 @@ def http(**params: Any) -> dict[str, Any]:
             encoding = response.charset_encoding or "utf-8"
     except httpclient.AddressRefused as exc:
         raise PermanentError(str(exc)) from None
-    except httpx.TransportError:
-        # One text for every failure to talk to the host (refused, reset, silent, not HTTP,
-        # too slow): a caller must not learn from it which ports are open or what listens there.
-        raise RetryableHTTPError(f"http: no usable answer from {origin} within {timeout:g}s") from None
+    except httpx.TransportError as exc:
+        # Its kind only where the allow-list names the endpoint (see ``unreachable``); the
+        # exception stays on the chain for the worker's log.
+        raise RetryableHTTPError(unreachable(origin, host, target.scheme, port, timeout, exc)) from None
     except (httpx.HTTPError, UnicodeError, ValueError) as exc:
         raise PermanentError(_scrub(f"http: request refused by the client: {type(exc).__name__}: {exc}", secrets)) from None
     except Exception as exc:  # anything else: retried, its text scrubbed, its chain (and locals) dropped

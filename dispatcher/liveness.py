@@ -30,7 +30,7 @@ from dispatcher.models import CallQueue, Heartbeat
 
 log = logging.getLogger("dispatcher")
 
-DISPENSER, WORKER = "dispenser", "worker"
+DISPENSER, WORKER, BEAT_TASK = "dispenser", "worker", "beat_task"
 # Rows of processes gone this long are deleted when a new process first reports.
 FORGET_AFTER = timedelta(days=1)
 
@@ -98,27 +98,33 @@ class Liveness:
         return max(seen) if seen else None
 
     def problem(self, kind: str) -> str:
-        """Say "no dispenser has run since …" when none is alive, else ''."""
-        if self.alive(kind):
+        """Say "no dispenser has run since …" when none is alive (nor, for dispensers, beat's dispense task), else ''."""
+        if self.alive(kind) or (kind == DISPENSER and self.alive(BEAT_TASK)):
             return ""
         verb = "run" if kind == DISPENSER else "reported"
-        last = self.last_seen(kind)
+        seen = [t for t in (self.last_seen(kind), self.last_seen(BEAT_TASK) if kind == DISPENSER else None) if t]
+        last = max(seen) if seen else None
         if last is None:
             return f"no {kind} has {verb} yet"
         return f"no {kind} has {verb} since {format_moment(last, self.now)}"
 
     def summary(self, kind: str) -> str:
-        """Say how many of a kind run, or what is wrong."""
+        """Say how many processes of a kind run (beat's dispense task apart: it is no process), or what is wrong."""
         alive = self.alive(kind)
-        if not alive:
+        tasks = self.alive(BEAT_TASK) if kind == DISPENSER else []
+        if not alive and not tasks:
             return self.problem(kind)
+        if not alive:
+            latest = max(b.seen_at for b in tasks)
+            return f"no dispenser process; beat's dispense task dispenses (last ran {humanize(latest, self.now)})"
         latest = max(b.seen_at for b in alive)
-        return f"{len(alive)} {kind}{'s' if len(alive) != 1 else ''} running (last heartbeat {humanize(latest, self.now)})"
+        text = f"{len(alive)} {kind}{'s' if len(alive) != 1 else ''} running (last heartbeat {humanize(latest, self.now)})"
+        return text + (", and beat's dispense task" if tasks else "")
 
     def as_dict(self) -> dict[str, Any]:
         """Return the liveness as JSON-ready data."""
         result: dict[str, Any] = {"timeout_seconds": self.timeout.total_seconds()}
-        for kind in (DISPENSER, WORKER):
+        for kind in (DISPENSER, WORKER, BEAT_TASK):
             last = self.last_seen(kind)
             result[f"{kind}s"] = {
                 "alive": len(self.alive(kind)),

@@ -153,13 +153,13 @@ class DispatcherCollector(Collector):
     def _liveness(self) -> Iterator[Metric]:
         state = liveness.read()
         alive = GaugeMetricFamily(
-            "dispatcher_processes_alive", "Dispensers and workers whose heartbeat is within the timeout.", labels=["kind"]
+            "dispatcher_processes_alive", "Dispenser and worker processes (and beat's dispense task, kind beat_task) whose heartbeat is within the timeout.", labels=["kind"]
         )
         age = GaugeMetricFamily(
             "dispatcher_heartbeat_age_seconds", "Seconds since the latest heartbeat of a kind (absent: never seen).",
             labels=["kind"],
         )
-        for kind in (liveness.DISPENSER, liveness.WORKER):
+        for kind in (liveness.DISPENSER, liveness.WORKER, liveness.BEAT_TASK):
             alive.add_metric([kind], len(state.alive(kind)))
             last = state.last_seen(kind)
             if last is not None:

@@ -150,8 +150,10 @@ class Heartbeat(models.Model):
     """A dispenser or worker process saying it is alive (see dispatcher.liveness)."""
 
     class Kind(models.TextChoices):
-        # A `dispense --loop` process, or beat's dispense task in a worker.
+        # A `dispense --loop` process.
         DISPENSER = "dispenser", "Dispenser"
+        # Beat's dispense task, in whichever worker runs it: it dispenses, but is no dispenser process.
+        BEAT_TASK = "beat_task", "Beat's dispense task"
         # A Celery worker (its main process; the pool's children run the calls).
         WORKER = "worker", "Worker"
 

@@ -72,8 +72,9 @@ def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
 @shared_task(name=DISPENSE, ignore_result=True)
 def dispense(max_passes: int = 20) -> int:
     """Run dispense passes while each fills its batch (bounded); return calls moved."""
-    # One row per machine: whichever pool process runs beat's task, it is one dispenser there.
-    liveness.beat(liveness.DISPENSER, liveness.process_name(liveness.DISPENSER, "beat task", pid=False))
+    # One row per machine: whichever pool process runs beat's task. Its own kind: beside a
+    # `dispense --loop` it is not a second dispenser, and alone it still says dispensing runs.
+    liveness.beat(liveness.BEAT_TASK, liveness.process_name(liveness.BEAT_TASK, "dispense", pid=False))
     dispenser = Dispenser()
     moved = 0
     for _ in range(max_passes):

@@ -204,7 +204,7 @@ def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> 
             CallQueue.objects.finish_error, call, attempt, f"{_class_path(exc)}: {exc}", outcome.traceback,
             permanent=outcome.kind == AttemptOutcome.FAILED, wake=capped,
         )
-        # The kind of network failure, for the operator: the call's error keeps one text for all.
+        # The kind of network failure, for the operator (the call's error names it for listed endpoints only).
         cause = network_cause(exc)
         because = f" cause={cause.replace(' ', '_')}" if cause else ""
         if outcome.kind == AttemptOutcome.FAILED:

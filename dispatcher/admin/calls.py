@@ -6,11 +6,14 @@ import threading
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.core.exceptions import PermissionDenied
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
+from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.translation import ngettext
@@ -18,7 +21,7 @@ from django.utils.translation import ngettext
 from dispatcher import status as live
 from dispatcher import waits
 from dispatcher.clock import db_now
-from dispatcher.durations import format_duration, format_moment, humanize_duration
+from dispatcher.durations import format_duration, format_moment, humanize, humanize_duration
 from dispatcher.keys import key_in_set
 from dispatcher.models import CallQueue
 from dispatcher.redact import redact, redact_text
@@ -36,9 +39,14 @@ from dispatcher.admin.common import (
     _pretty_json,
     known_keys,
 )
+from dispatcher.admin.failures import FailuresViews
 
 # Search in params looks at this many of the newest calls whose stored params contain the text.
 PARAMS_SEARCH_CANDIDATES = 200
+# Characters of an http call's host and path shown in the list (the call's page shows its params).
+TARGET_CHARS = 60
+# Calls a cancel's confirmation lists by id (it counts them all).
+CONFIRM_LISTED = 20
 
 
 def _params_matching(queryset: QuerySet[Any], term: str) -> list[int]:
@@ -72,6 +80,7 @@ class CallStateFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         return [
+            ("waiting", "Waiting (all)"),
             ("new", "Waiting, never tried"),
             ("retry", "Waiting for a retry"),
             ("deferred", "Waiting after a 429"),
@@ -85,6 +94,8 @@ class CallStateFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         value = self.value()
+        if value == "waiting":
+            return queryset.filter(status=CallQueue.Status.PENDING)
         if value == "new":
             return queryset.filter(status=CallQueue.Status.PENDING, attempts=0, deferrals=0)
         if value == "retry":
@@ -143,7 +154,7 @@ def _moment_field(name: str) -> Callable[[CallQueueAdmin, CallQueue], str]:
 class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, ModelAdmin):
     button_page = "the call's page"
 
-    list_display = ["id", "method", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
+    list_display = ["id", "method", "target", "state_label", "keys_label", "attempts_label", "age", "next_try", "error"]
     list_filter = [CallStateFilter, "method", KeyFilter]
     search_fields = ["method", "unique_key"]
     search_help_text = (
@@ -155,7 +166,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
     list_per_page = 50
 
     class Media:
-        css = {"all": ["dispatcher/dashboard.css"]}  # the stalled-call warning
+        css = {"all": ["dispatcher/dashboard.css", "dispatcher/admin.css"]}  # the stalled-call warning, narrow columns
     show_full_result_count = False
     actions = ["retry_now", "cancel"]
     fields = [
@@ -186,6 +197,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
             path("keys/", self.admin_site.admin_view(self.keys_view), name="dispatcher_callqueue_keys"),
             path("<int:call_id>/retry/", self.admin_site.admin_view(self.retry_view), name="dispatcher_callqueue_retry"),
             path("<int:call_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="dispatcher_callqueue_cancel"),
+            *FailuresViews(self).urls(),
         ]
         return urls + super().get_urls()
 
@@ -202,7 +214,24 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
         return self._button(request, call_id, "retry_now")
 
     def cancel_view(self, request: HttpRequest, call_id: int) -> HttpResponse:
+        """GET: ask first (the call page's Cancel leads here); POST: cancel."""
+        if request.method == "GET":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            return self._confirm_cancel(request, CallQueue.objects.filter(id=call_id), single=call_id)
         return self._button(request, call_id, "cancel")
+
+    def _confirm_cancel(self, request: HttpRequest, queryset: QuerySet[Any], single: int | None = None) -> TemplateResponse:
+        """Say which calls a cancel will stop and which it leaves alone, with the form that does it."""
+        waiting = list(queryset.filter(status=CallQueue.Status.PENDING).order_by("id")[:CONFIRM_LISTED])
+        count = queryset.filter(status=CallQueue.Status.PENDING).count()
+        return TemplateResponse(request, "admin/dispatcher/callqueue/cancel_confirm.html", {
+            **self.admin_site.each_context(request), "opts": self.model._meta,
+            "title": f"Cancel call {single}?" if single else "Cancel calls?", "waiting": waiting, "count": count,
+            "others": queryset.count() - count, "single": single, "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            # The action's own choice, posted again as Django's delete confirmation does.
+            "selected": request.POST.getlist(helpers.ACTION_CHECKBOX_NAME), "select_across": request.POST.get("select_across", "0"),
+        })
 
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         # One clock read and one limiter read per page, shared by every row's "age" and "next try".
@@ -210,7 +239,7 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
         _calls_page.now = db_now()
         _calls_page.statuses = None
         try:
-            response = super().changelist_view(request, extra_context)
+            response = super().changelist_view(request, {"title": "Calls", **(extra_context or {})})
             if hasattr(response, "render"):
                 cl = getattr(response, "context_data", {}).get("cl")
                 if cl is not None:
@@ -235,7 +264,8 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
         if request.method == "POST":
             raise PermissionDenied("calls are read-only; use the retry and cancel actions")
         extra_context = {**(extra_context or {}), "show_save": False, "show_save_and_continue": False,
-                         "show_save_and_add_another": False, "show_delete": False}
+                         "show_save_and_add_another": False, "show_delete": False,
+                         "title": f"Call {object_id}" if object_id and object_id.isdigit() else "Call"}
         return super().changeform_view(request, object_id, form_url, extra_context)
 
     @admin.display(description="cost")
@@ -250,10 +280,10 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
             if call.attempts > 0:
                 return f"waiting for retry ({call.attempts}/{call.max_attempts} tried)"
             if call.deferrals > 0:
-                return f"waiting after 429 ({call.deferrals} deferrals)"
+                return f"waiting after 429 ({ngettext('%d deferral', '%d deferrals', call.deferrals) % call.deferrals})"
             return "waiting (never tried)"
         if call.status == CallQueue.Status.FAILED:
-            return f"failed (gave up after {call.attempts} attempts)"
+            return f"failed (gave up after {ngettext('%d attempt', '%d attempts', call.attempts) % call.attempts})"
         return call.get_status_display().lower()
 
     @admin.display(description="keys")
@@ -272,33 +302,47 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
         """Waiting or in flight: since created; finished: created to finished."""
         if not call.created_at:
             return "-"
-        if call.finished_at:
-            return f"{humanize_duration(call.finished_at - call.created_at)} (finished)"
+        if call.finished_at:  # not "8 s": that reads like "8 s ago"
+            return f"finished after {humanize_duration(call.finished_at - call.created_at)}"
         return humanize_duration(self._now() - call.created_at)
 
     @admin.display(description="next try", ordering="run_at")
     def next_try(self, call: CallQueue) -> str:
-        """The earliest a waiting call can start, as a lower bound: its run_at, and every key's next
-        free slot (``status``: held-aware); the call's own page says exactly when, counting the calls
-        ahead of it (``waits.expected_start``), which a list of a hundred calls cannot afford."""
+        """The earliest a waiting call can start, short ("in 3 min, paused"), the moment on hover: a
+        lower bound from its run_at and every key's next free slot (``status``: held-aware); the
+        call's own page says exactly when, counting the calls ahead of it (``waits.expected_start``),
+        which a list of a hundred calls cannot afford."""
         if call.status != CallQueue.Status.PENDING:
             return "-"
         now = self._now()
         statuses = getattr(_calls_page, "statuses", None)
         if statuses is None:
             statuses = {s.key: s for s in live.key_statuses(call.keys, now=now)}
-        moment, held = max(call.run_at, now), ""
+        moment, why = max(call.run_at, now), ""
         for key in call.keys:
             status = statuses.get(key)
             if status is None or not status.waiting:
                 continue
             if status.next_free_at is None:
-                return f"when a call in flight of {key} finishes"
+                return format_html('<span title="when a call in flight of {} finishes">after one in flight</span>', key)
             if status.next_free_at > moment:
-                moment, held = status.next_free_at, f" ({status.held_by or key})"
+                moment = status.next_free_at
+                # A pause is the operator's (or a 429's), not a limit: say so, as the call's page does.
+                why = "paused" if status.paused_until and status.paused_until > now else f"limit of {status.held_by or key}"
         if moment <= now:
             return "due now"
-        return f"not before {format_moment(moment, now)}{held}"
+        short = humanize(moment, now) + (f", {why[:30]}" if why else "")
+        return format_html('<span title="not before {}{}">{}</span>', format_moment(moment, now), f" ({why})" if why else "", short)
+
+    @admin.display(description="target")
+    def target(self, call: CallQueue) -> str:
+        """An http call's host and path (no query: it may hold tokens), redacted and cut; '-' for other methods."""
+        url = call.params.get("url") if call.method == "http" and isinstance(call.params, dict) else None
+        if not isinstance(url, str):
+            return "-"
+        parts = urlsplit(url)
+        text = redact_text(f"{parts.netloc}{parts.path}")
+        return text[:TARGET_CHARS] + "…" if len(text) > TARGET_CHARS else text
 
     @admin.display(description="error")
     def error(self, call: CallQueue) -> str:
@@ -415,8 +459,11 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
             text += f" {len(held) - 1} more of the calls wait for their keys' limits too."
         return text
 
-    @admin.action(description="Cancel (waiting calls only)", permissions=["change"])
-    def cancel(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+    @admin.action(description="Cancel (waiting calls only; asks first)", permissions=["change"])
+    def cancel(self, request: HttpRequest, queryset: QuerySet[Any]) -> TemplateResponse | None:
+        # As Django's delete: the action's first POST shows what it will do; the page's own POST does it.
+        if request.POST.get("post") != "yes" and request.POST.get("action") == "cancel":
+            return self._confirm_cancel(request, queryset)
         ids = list(queryset.filter(status=CallQueue.Status.PENDING).values_list("id", flat=True))
         total = queryset.count()
         done = CallQueue.objects.cancel(ids)
@@ -430,3 +477,4 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
                 ngettext("%d call was not waiting and was left alone.", "%d calls were not waiting and were left alone.", skipped) % skipped,
                 messages.WARNING,
             )
+        return None

@@ -132,9 +132,31 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
         # A free slot sends nothing while no dispenser runs: say so where the slot is read.
         _page.free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
         try:
-            response = super().changelist_view(request, extra_context)
+            response = super().changelist_view(request, {"title": "Rate limits", **(extra_context or {})})
             if hasattr(response, "render"):
                 response.render()  # while the statuses are set: the columns read them
+            return response
+        finally:
+            _page.statuses, _page.policies, _page.free_now = {}, {}, "now"
+
+    def changeform_view(self, request: HttpRequest, object_id: str | None = None, form_url: str = "", extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        policy = RateLimit.objects.filter(pk=object_id).first() if object_id and object_id.isdigit() and len(object_id) < 19 else None
+        extra: dict[str, Any] = {"title": f"Rate limit of {policy.key}" if policy else ("Add a rate limit" if object_id is None else "Rate limit")}
+        if policy is not None and request.method == "GET":
+            # The live use the list shows for the key, read the same way (status.py), once.
+            _page.statuses = {s.key: s for s in live.key_statuses(None if is_pattern(policy.key) else [policy.key])}
+            _page.policies = {policy.key: list(RateLimit.objects.filter(key=policy.key).order_by("period"))}
+            _page.free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
+            paused = self.paused_until(policy)
+            extra.update(paused=paused != "-", live=[
+                ("policies: used now", self.policy_label(policy)), ("in flight", self.in_flight(policy)),
+                ("waiting", self.waiting(policy)), ("oldest wait", self.oldest_wait(policy)),
+                ("paused until (by whom)", paused), ("next free slot", self.next_free_slot(policy)),
+            ])
+        try:
+            response = super().changeform_view(request, object_id, form_url, {**extra, **(extra_context or {})})
+            if hasattr(response, "render"):
+                response.render()
             return response
         finally:
             _page.statuses, _page.policies, _page.free_now = {}, {}, "now"

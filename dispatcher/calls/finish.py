@@ -171,7 +171,9 @@ def finish_rate_limited(
         until = now + wait
         fields: dict[str, Any] = {"deferrals": F("deferrals") + 1, "attempts": F("attempts") - 1, "last_error": error}
         if gives_up:
-            fields.update(status=Status.FAILED, finished_at=now, last_error=f"{error} (gave up after {call.deferrals + 1} deferrals)")
+            spent = call.deferrals + 1
+            fields.update(status=Status.FAILED, finished_at=now,
+                          last_error=f"{error} (gave up after {spent} deferral{'' if spent == 1 else 's'})")
         else:
             fields.update(status=Status.PENDING, run_at=until, dispatched_at=None)
         won = manager.filter(id=call.id, status=Status.RUNNING, dispatch_no=call.dispatch_no).update(**fields)

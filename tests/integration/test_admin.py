@@ -185,10 +185,13 @@ def test_retry_now_gives_a_failed_call_one_more_attempt_and_leaves_done_calls(op
     assert done.status == "done"
 
 
-def test_cancel_cancels_waiting_calls_only(operator, make_call):
+def test_cancel_asks_first_then_cancels_waiting_calls_only(operator, make_call):
     waiting = make_call()
     running = make_call(status="running")
-    response = run_action(operator, CALLS, "cancel", [waiting.id, running.id])
+    asked = run_action(operator, CALLS, "cancel", [waiting.id, running.id]).content.decode()
+    assert "Cancel calls?" in asked and "1 waiting call will be cancelled" in asked and "1 other is not waiting" in asked
+    assert CallQueue.objects.get(id=waiting.id).status == "pending"  # nothing yet
+    response = run_action(operator, CALLS, "cancel", [waiting.id, running.id], post="yes")
     text = response.content.decode()
     assert "1 call cancelled." in text and "1 call was not waiting" in text
     waiting.refresh_from_db(), running.refresh_from_db()
@@ -200,7 +203,7 @@ def test_viewer_without_change_permission_cannot_run_actions(viewer, make_call):
     page = viewer.get(CALLS).content.decode()
     assert "retry_now" not in page
     run_action(viewer, CALLS, "retry_now", [call.id])
-    run_action(viewer, CALLS, "cancel", [call.id])
+    run_action(viewer, CALLS, "cancel", [call.id], post="yes")
     call.refresh_from_db()
     assert call.status == "failed"
 
@@ -537,13 +540,14 @@ def test_next_try_shows_when_a_limit_lets_the_call_start(operator, make_call):
     log_starts("api", [db_now() - timedelta(minutes=1)])
     make_call()
     row = operator.get(CALLS).content.decode()
-    assert "not before 20" in row and "UTC (in 59 min) (api)" in row and "ago" not in row.split("next try")[-1].split("</table>")[0]
+    assert ">in 59 min, limit of api</span>" in row  # short, on one line; the moment on hover
+    assert 'title="not before 20' in row and "UTC (in 59 min) (limit of api)" in row
 
 
 def test_age_of_a_finished_call_is_created_to_finished(operator, make_call):
     now = db_now()
     make_call(status="done", created_at=now - timedelta(hours=3), finished_at=now - timedelta(hours=3) + timedelta(seconds=42))
-    assert "42 s (finished)" in operator.get(CALLS).content.decode()
+    assert "finished after 42 s" in operator.get(CALLS).content.decode()
 
 
 def test_errors_are_shown_and_searchable(operator, make_call):
@@ -582,6 +586,9 @@ def test_call_page_buttons_retry_and_cancel_and_leave_history(operator, make_cal
     assert "1 call is due now." in response.content.decode()
     failed.refresh_from_db()
     assert failed.status == "pending"
+    asked = operator.get(f"{CALLS}{failed.id}/cancel/").content.decode()
+    assert f"Cancel call {failed.id}?" in asked and "1 waiting call will be cancelled" in asked
+    assert CallQueue.objects.get(id=failed.id).status == "pending"  # asking changes nothing
     operator.post(f"{CALLS}{failed.id}/cancel/")
     failed.refresh_from_db()
     assert failed.status == "cancelled"
@@ -594,6 +601,7 @@ def test_call_page_buttons_need_the_change_permission(viewer, make_call):
     call = make_call()
     assert 'id="call-cancel"' not in viewer.get(f"{CALLS}{call.id}/change/").content.decode()
     assert viewer.post(f"{CALLS}{call.id}/cancel/").status_code == 403
+    assert viewer.get(f"{CALLS}{call.id}/cancel/").status_code == 403
     call.refresh_from_db()
     assert call.status == "pending"
 
@@ -613,12 +621,14 @@ def test_policy_page_pause_and_resume_buttons_leave_history(operator):
 
     policy = edit.set_policy("api", 5, timedelta(minutes=1))
     page = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
-    assert 'id="policy-pause"' in page and 'id="policy-resume"' in page
+    assert 'id="policy-pause"' in page and 'id="policy-resume"' not in page  # nothing to resume
     assert "2 min" not in operator.post(f"{LIMITS}{policy.id}/pause/", {"duration": "soon"}, follow=True).content.decode()
     assert not KeyState.objects.filter(key="api", paused_until__isnull=False).exists()
     text = operator.post(f"{LIMITS}{policy.id}/pause/", {"duration": "2m"}, follow=True).content.decode()
     assert "1 key paused until 20" in text and "UTC (in 2 min)" in text
     assert KeyState.objects.get(key="api").paused_until > db_now()
+    paused = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
+    assert 'id="policy-resume"' in paused and 'class="policy-button"' in paused and "csrfmiddlewaretoken" in paused
     operator.post(f"{LIMITS}{policy.id}/resume/")
     assert KeyState.objects.get(key="api").paused_until is None
     messages = list(LogEntry.objects.filter(object_id=str(policy.id)).order_by("id").values_list("change_message", flat=True))
@@ -665,3 +675,61 @@ def test_editing_a_policy_leaves_history_of_who_changed_what(operator):
 def test_the_calls_and_rate_limit_lists_link_to_the_dashboard(operator, model):
     page = operator.get(f"/admin/dispatcher/{model}/").content.decode()
     assert 'href="/dispatcher/dashboard/">Dashboard</a>' in page
+
+
+# --- the console for 3 a.m. (issue 27): titles, filters, short columns, live use ---------------------
+
+
+def test_pages_are_titled_calls_call_n_and_rate_limits(operator, make_call):
+    call = make_call()
+    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    assert "<h1>Calls</h1>" in operator.get(CALLS).content.decode()
+    assert f"<h1>Call {call.id}</h1>" in operator.get(f"{CALLS}{call.id}/change/").content.decode()
+    assert "<h1>Rate limits</h1>" in operator.get(LIMITS).content.decode()
+    assert "<h1>Rate limit of api</h1>" in operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
+    for page in (CALLS, f"{CALLS}{call.id}/change/", LIMITS):
+        text = operator.get(page).content.decode()
+        assert "Select call to change" not in text and "Change call" not in text and "Select rate limit" not in text
+
+
+def test_one_filter_shows_every_waiting_call(operator, make_call):
+    never, retry, deferred = make_call(), make_call(attempts=1, last_error="x"), make_call(deferrals=1)
+    done = make_call(status="done", finished_at=db_now())
+    page = operator.get(CALLS, {"state": "waiting"}).content.decode()
+    assert "Waiting (all)" in page
+    for call in (never, retry, deferred):
+        assert f"{CALLS}{call.id}/change/" in page
+    assert f"{CALLS}{done.id}/change/" not in page
+
+
+def test_one_attempt_reads_singular(operator, make_call):
+    make_call(status="failed", attempts=1, max_attempts=1, finished_at=db_now())
+    make_call(deferrals=1)
+    page = operator.get(CALLS).content.decode()
+    assert "failed (gave up after 1 attempt)" in page and "1 attempts" not in page
+    assert "waiting after 429 (1 deferral)" in page
+
+
+def test_an_http_call_shows_its_host_and_path_without_the_query(operator, make_call):
+    make_call("http", {"method": "GET", "url": "http://127.0.0.1:9/v1/items?api_key=s3cr3t-value"})
+    make_call("http", {"method": "GET", "url": "http://127.0.0.1:9/" + "x" * 200})
+    page = operator.get(CALLS).content.decode()
+    assert "127.0.0.1:9/v1/items" in page and "s3cr3t-value" not in page
+    assert "127.0.0.1:9/" + "x" * 48 + "…" in page  # cut at 60 characters
+
+
+def test_the_list_says_paused_for_a_key_an_operator_paused(operator, make_call):
+    RateLimit.objects.set_policy("reports", 5, timedelta(minutes=1))
+    RateLimit.objects.pause_key("reports", timedelta(minutes=10))
+    make_call(keys=["reports"])
+    page = operator.get(CALLS).content.decode()
+    assert ", paused</span>" in page and "limit of reports" not in page
+
+
+def test_the_policy_page_shows_live_use(operator, make_call):
+    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1), 2)
+    make_call(keys=["api"], status="running", started_at=db_now())
+    make_call(keys=["api"])
+    page = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
+    live = page.split('id="policy-live"')[1].split("</table>")[0]
+    assert "in flight</th><td>1/2</td>" in live and "waiting</th><td>1</td>" in live

@@ -33,6 +33,7 @@ def test_a_token_holder_enqueues_a_call_and_reads_its_status(client):
     assert (stored.method, stored.priority, stored.keys) == ("greet", 3, ["greeter", "greeter:ada"])
     status = client.get(f"/api/calls/{call_id}/", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     assert status.status_code == 200 and status.json()["status"] == "pending"
+    assert status.json()["state"] == "Waiting"  # the admin's and the CLI's word for it
 
 
 @pytest.mark.parametrize(

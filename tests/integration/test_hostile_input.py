@@ -203,7 +203,7 @@ def test_admin_search_for_odd_terms_answers_200(term):
 @pytest.mark.parametrize("query", [{"q": "1\x00"}, {"q": "\x00"}, {"method": "\x00"}, {"key": "a\x00"}, {"status": "\x00"}])
 def test_admin_lists_answer_400_for_a_nul_in_a_search_or_filter(query):
     client = staff("view_callqueue", "view_ratelimit")
-    for url in ("/admin/dispatcher/callqueue/", "/admin/dispatcher/ratelimit/"):
+    for url in ("/admin/dispatcher/callqueue/", "/admin/dispatcher/ratelimit/", "/admin/dispatcher/callqueue/failures/"):
         response = client.get(url, query)
         assert response.status_code == 400 and b"NUL" in response.content
 

@@ -13,7 +13,7 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from dispatcher import liveness, waits
+from dispatcher import liveness, tasks, waits
 from dispatcher.clock import db_now
 from dispatcher.limits import edit
 from dispatcher.models import Heartbeat
@@ -152,3 +152,25 @@ def test_a_free_slot_says_nothing_will_use_it_while_no_dispenser_runs(admin_clie
     assert "now, but no dispenser runs" in out.getvalue()
     heartbeat("dispenser", timedelta(seconds=1))
     assert "no dispenser runs" not in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
+
+
+@pytest.fixture
+def fresh_beats(monkeypatch):
+    """Forget the heartbeats this test process wrote in earlier tests (a beat is written once per interval)."""
+    monkeypatch.setattr(liveness, "_last_beat", {})
+
+
+def test_beat_s_dispense_task_is_not_counted_as_a_second_dispenser(fresh_beats):
+    heartbeat("dispenser", timedelta(seconds=1))
+    tasks.dispense(max_passes=1)  # what beat has a worker run every few seconds
+    state = liveness.read()
+    assert state.summary("dispenser").startswith("1 dispenser running (last heartbeat ")
+    assert state.summary("dispenser").endswith(", and beat's dispense task")
+    assert len(state.alive("dispenser")) == 1
+
+
+def test_beat_s_dispense_task_alone_says_dispensing_runs_without_a_dispenser_process(fresh_beats):
+    tasks.dispense(max_passes=1)
+    state = liveness.read()
+    assert state.problem("dispenser") == ""
+    assert state.summary("dispenser").startswith("no dispenser process; beat's dispense task dispenses (last ran ")
