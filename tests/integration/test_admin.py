@@ -682,7 +682,7 @@ def test_the_calls_and_rate_limit_lists_link_to_the_dashboard(operator, model):
 
 def test_pages_are_titled_calls_call_n_and_rate_limits(operator, make_call):
     call = make_call()
-    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    policy = edit.set_policy("api", 5, timedelta(minutes=1))
     assert "<h1>Calls</h1>" in operator.get(CALLS).content.decode()
     assert f"<h1>Call {call.id}</h1>" in operator.get(f"{CALLS}{call.id}/change/").content.decode()
     assert "<h1>Rate limits</h1>" in operator.get(LIMITS).content.decode()
@@ -719,15 +719,15 @@ def test_an_http_call_shows_its_host_and_path_without_the_query(operator, make_c
 
 
 def test_the_list_says_paused_for_a_key_an_operator_paused(operator, make_call):
-    RateLimit.objects.set_policy("reports", 5, timedelta(minutes=1))
-    RateLimit.objects.pause_key("reports", timedelta(minutes=10))
+    edit.set_policy("reports", 5, timedelta(minutes=1))
+    edit.pause_key("reports", timedelta(minutes=10))
     make_call(keys=["reports"])
     page = operator.get(CALLS).content.decode()
     assert ", paused</span>" in page and "limit of reports" not in page
 
 
 def test_the_policy_page_shows_live_use(operator, make_call):
-    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1), 2)
+    policy = edit.set_policy("api", 5, timedelta(minutes=1), 2)
     make_call(keys=["api"], status="running", started_at=db_now())
     make_call(keys=["api"])
     page = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
