@@ -14,15 +14,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.db import connections
 from django.db.models import Count, Min, Q
 from django.db.models.functions import TruncMinute
 
 from dispatcher import liveness
 from dispatcher import status as live
+from dispatcher.clock import from_us
 from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
+from dispatcher.limits.shapes import Reading, SlidingWindow
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.states import AttemptOutcome, CallStatus
+from dispatcher.store import limit_sql, schema
 
 MINUTES = 60
 ERROR_OUTCOMES = (AttemptOutcome.ERROR, AttemptOutcome.FAILED, AttemptOutcome.LOST)
@@ -149,7 +153,7 @@ def key_rows(now: datetime) -> list[KeyRow]:
     wanted.update(StartLog.objects.filter(started_at__gte=now - timedelta(hours=1)).values_list("key", flat=True).distinct())
     states = {s.key: s for s in KeyState.objects.filter(key__in=wanted)}
     governed = {key: policies.for_key(key) for key in wanted if policies.for_key(key)}
-    readings = gate.read_policies(governed, {k: states.get(k) or KeyState(key=k) for k in governed}, now)
+    readings = _readings(governed, states, now)
     sets = _sets_by_key(waiting_sets, now)
     rows = []
     for key in sorted(wanted):
@@ -163,6 +167,37 @@ def key_rows(now: datetime) -> list[KeyRow]:
             latest_error=failure.latest_error if failure else "", sets=sets.get(key, []),
         ))
     return rows
+
+
+def _readings(governed: dict[str, list[Any]], states: dict[str, Any], now: datetime) -> dict[str, list[Reading]]:
+    """What storage says about every policy of every key at ``now``, in two statements on PostgreSQL
+    (a window's total before its first start, ``limit_sql.window_bases``; the buckets' states).
+
+    No window reading here knows when its units leave (``leaves_at``): nothing on the overview asks.
+    """
+    db = StartLog.objects.db
+    if not schema.postgresql_path(db):
+        return gate.read_policies(governed, {k: states.get(k) or KeyState(key=k) for k in governed}, now, db)
+    windows = [(key, p) for key, found in governed.items() for p in found if isinstance(p, SlidingWindow)]
+    with connections[db].cursor() as cursor:
+        cursor.execute(limit_sql.window_bases(), {"keys": [k for k, _ in windows], "since": [now - p.span for _, p in windows]})
+        bases = {(windows[n - 1][0], windows[n - 1][1]): base for n, base in cursor.fetchall()}
+    buckets = {
+        (key, period): tat
+        for key, period, tat in KeyBucket.objects.using(db).filter(key__in=list(governed)).values_list("key", "period", "tat_us")
+    }
+    readings: dict[str, list[Reading]] = {}
+    for key, found in governed.items():
+        total = getattr(states.get(key), "total", 0) or 0
+        readings[key] = []
+        for p in found:
+            if isinstance(p, SlidingWindow):
+                base = bases.get((key, p))
+                readings[key].append(Reading(used=total - (total if base is None else base)))
+            else:
+                tat = buckets.get((key, p.period))
+                readings[key].append(Reading(tat=from_us(tat) if tat is not None else None))
+    return readings
 
 
 def _status(
