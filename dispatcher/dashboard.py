@@ -26,7 +26,7 @@ from django.utils.safestring import SafeString
 from dispatcher import liveness, overview
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.durations import format_moment, humanize_duration
+from dispatcher.durations import format_moment, humanize, humanize_duration
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import key_in_set, parse_key_set, validate_key
 from dispatcher.models import Attempt, StartLog
@@ -259,7 +259,7 @@ def dashboard_view(request: HttpRequest) -> HttpResponse:
             for kind in (liveness.DISPENSER, liveness.WORKER)
         ],
         "silent": [
-            {"name": b.name, "kind": b.kind, "since": format_moment(b.seen_at, view.now)} for b in view.silent()
+            {"name": b.name, "kind": b.kind, "since": humanize(b.seen_at, view.now)} for b in view.silent()
         ],
     }
     return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)
@@ -326,12 +326,13 @@ def _row(row: overview.KeyRow, now: datetime) -> dict[str, Any]:
         "oldest_wait": humanize_duration(status.oldest_wait) if status.waiting else "-",
         "errors": row.errors, "failed": row.failed, "latest_error": row.latest_error,
         "paused": format_moment(status.paused_until, now) if status.paused_until else "",
+        "paused_for": humanize_duration(status.paused_until - now) if status.paused_until else "",
         "pause_reason": status.pause_reason, "drain": status.drain_text(humanize_duration),
         "starved": {"keys": starved[0], "wait": humanize_duration(starved[1])} if starved else None,
     }
 
 
-ACTIVITY_WIDTH, ACTIVITY_HEIGHT = 360, 48
+ACTIVITY_WIDTH, ACTIVITY_HEIGHT = 240, 48
 
 
 def activity_chart(minutes: list[tuple[datetime, dict[str, int]]]) -> dict[str, Any]:
