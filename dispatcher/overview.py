@@ -3,8 +3,8 @@
 Calls per state, attempts' outcomes per minute over the last hour, failures in the last hour,
 the oldest wait, the processes alive (``liveness``), then one row per key: its policies, their
 use, its backlog and oldest wait, its errors in the last hour, its pause and when it drains.
-Every figure is aggregated in SQL (a GROUP BY per question, and the policies of every key read in
-one statement, ``gate.read_policies``), whatever the number of keys: the per-key panels, which
+Every figure is aggregated in SQL (a GROUP BY per question, and every window of every key read in
+one statement, ``limit_sql.window_bases``), whatever the number of keys: the per-key panels, which
 read a key's history minute by minute, are on each key's own page (``dashboard.key_view``).
 """
 from __future__ import annotations
@@ -143,7 +143,7 @@ def key_rows(now: datetime) -> list[KeyRow]:
         .order_by()
     )
     waiting = live.waiting_by_key(now, waiting_sets)
-    running = gate.running_by_key()
+    running = _running_by_key()
     failures = {f.key: f for f in live.recent_failures(now)}
     wanted = set(waiting) | set(running) | {key for key in failures if key}
     wanted.update(k for k in RateLimit.objects.values_list("key", flat=True) if not is_pattern(k))
@@ -167,6 +167,16 @@ def key_rows(now: datetime) -> list[KeyRow]:
             latest_error=failure.latest_error if failure else "", sets=sets.get(key, []),
         ))
     return rows
+
+
+def _running_by_key() -> dict[str, int]:
+    """Running calls per key, counted per key set in SQL (a few key sets, not every running call, are parsed)."""
+    running: dict[str, int] = {}
+    rows = CallQueue.objects.filter(status=CallStatus.RUNNING).values_list("key_set").annotate(n=Count("id")).order_by()
+    for text, n in rows:
+        for key in parse_key_set(text):
+            running[key] = running.get(key, 0) + n
+    return running
 
 
 def _readings(governed: dict[str, list[Any]], states: dict[str, Any], now: datetime) -> dict[str, list[Reading]]:
