@@ -152,3 +152,23 @@ def test_the_overview_reads_the_same_use_and_room_as_a_keys_status(make_call):
             status.waiting, status.due, status.paused_until, status.blocked, status.drain_time
         ), status.key
     assert rows["full"].blocked_reason == "2 per 1h used" and rows["api"].blocked_reason == "paused"
+
+
+def test_the_overview_counts_the_failures_of_the_hour_as_dispatcher_status_does(make_call):
+    from dispatcher import overview
+    from dispatcher import status as live
+
+    scenario.seed(healthy=3)
+    now = db_now()
+    shared = make_call(keys=["mail", "crm"], status="failed", finished_at=now)
+    Attempt.objects.create(call=shared, number=1, started_at=now, finished_at=now, outcome="lost", error="lost it\nline two")
+    Attempt.objects.create(call=make_call(keys=[]), number=1, started_at=now, finished_at=now, outcome="error", error="no key")
+    old = make_call(keys=["crm"])
+    Attempt.objects.create(call=old, number=1, started_at=now, finished_at=now - timedelta(hours=2), outcome="error")
+
+    def facts(found) -> dict:
+        return {f.key: (f.errors, f.failed, f.latest_error) for f in found}
+
+    expected = facts(live.recent_failures(now))
+    assert expected["crm"] == (7, 7, "lost it") and expected[""] == (1, 0, "no key")
+    assert facts(overview._failures(now).values()) == expected
