@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench.console import console
 from bench.fairness import fair_shares
 from bench.hotkey import hot_key
 from bench.support import (
@@ -43,10 +44,11 @@ class Sizes:
     send_calls: int
     memory_calls: int
     window_starts: int
+    console_calls: int
 
 
-QUICK = Sizes(2_000, 1_000, 100_000, 5, 60, 4.0, 1_000, 5_000, 300, 10_000, 1_000_000)
-FULL = Sizes(20_000, 1_000, 1_000_000, 9, 500, 10.0, 10_000, 20_000, 2_000, 100_000, 1_000_000)
+QUICK = Sizes(2_000, 1_000, 100_000, 5, 60, 4.0, 1_000, 5_000, 300, 10_000, 1_000_000, 5_000)
+FULL = Sizes(20_000, 1_000, 1_000_000, 9, 500, 10.0, 10_000, 20_000, 2_000, 100_000, 1_000_000, 100_000)
 
 
 class Context:
@@ -1084,6 +1086,7 @@ ALL = {
     "http_hostile": http_hostile,
     "fair_shares": fair_shares,
     "hot_key": hot_key,
+    "console": console,
 }
 
 # Run only when named with --only: experiments, not figures of the product.

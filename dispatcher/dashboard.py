@@ -1,10 +1,10 @@
-"""The admin dashboard: per key, starts per minute over the last hour against its limits, and the backlog.
+"""The admin dashboard: an overview of every key first, then each key's full panel on a page of its own.
 
-Scales to hundreds of keys: keys are sorted by pressure (blocked first, then the busiest),
-filtered and paginated; the live status is read for every key in one pass (``key_statuses``),
-but charts are laid out only for the keys of the page shown, from two grouped queries (starts
-per key and minute; attempts per key set, minute and outcome), with the SVG bars written here
-rather than by a template loop.
+The overview (``dashboard_view``) reads its figures from ``overview`` in a fixed number of
+queries whatever the number of keys, one compact row per key, sorted (errors first by default)
+and paginated. A key's page (``key_view``) draws its starts per minute over the last hour against
+its limits, each policy's use and the backlog, from grouped queries, with the SVG bars written
+here rather than by a template loop.
 """
 from __future__ import annotations
 
@@ -19,17 +19,20 @@ from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncMinute
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 from django.template.response import TemplateResponse
+from django.urls import NoReverseMatch, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from dispatcher import liveness
+from dispatcher import liveness, overview
 from dispatcher import status as live
 from dispatcher.clock import db_now
-from dispatcher.durations import format_moment, humanize_duration
-from dispatcher.keys import key_in_set, parse_key_set
+from dispatcher.durations import format_moment, humanize, humanize_duration
+from dispatcher.exceptions import InvalidKey
+from dispatcher.keys import key_in_set, parse_key_set, validate_key
 from dispatcher.models import Attempt, StartLog
+from dispatcher.states import CallStatus
 
-PER_PAGE = 20
+PER_PAGE = 50
 MINUTES = 60
 DEFAULT_REFRESH = 30
 # How attempt outcomes are drawn: a bar's segments from the bottom, and their legend.
@@ -200,69 +203,231 @@ def minutes_by_key(keys: list[str], now: datetime) -> dict[str, list[tuple[datet
     return {key: [(m, starts.get((key, m), 0), parts.get((key, m), {})) for m in grid] for key in keys}
 
 
-def starts_last_hour(now: datetime) -> dict[str, int]:
-    """Return starts in the last hour per key: how busy each key is."""
-    rows = StartLog.objects.filter(started_at__gte=now - timedelta(hours=1)).values("key").annotate(n=Count("id")).order_by()
-    return {row["key"]: row["n"] for row in rows}
-
-
-def pressure(status: live.KeyStatus, busy: int) -> tuple[Any, ...]:
-    """Sort key: blocked keys first, then by backlog, calls in flight and starts in the last hour."""
-    return (not status.blocked, -status.waiting, -status.in_flight, -busy, status.key)
-
-
-def dashboard_view(request: HttpRequest) -> HttpResponse:
-    """Per key: starts per minute over the last hour against the limit, backlog and drain estimate."""
+def _may_view(request: HttpRequest) -> None:
     if not (request.user.has_perm("dispatcher.view_callqueue") or request.user.has_perm("dispatcher.view_ratelimit")):
         raise PermissionDenied
-    query = request.GET.get("q", "").strip()
-    only = request.GET.get("only", "")
-    if only not in ("", "blocked", "waiting"):
-        return HttpResponseBadRequest("only= takes blocked or waiting")
+
+
+def _refresh(request: HttpRequest) -> int:
+    """The page's refresh period in seconds (0: never); ValueError with what it takes."""
     try:
         refresh = int(request.GET.get("refresh", DEFAULT_REFRESH))
     except ValueError:
-        return HttpResponseBadRequest("refresh= takes a whole number of seconds (0: never)")
+        raise ValueError("refresh= takes a whole number of seconds (0: never)") from None
     if not 0 <= refresh <= 3600:
-        return HttpResponseBadRequest("refresh= takes 0 to 3600 seconds")
-    statuses = live.key_statuses()
-    # A free slot sends nothing while no dispenser runs: say so where the slot is read.
-    free_now = "now, but no dispenser runs" if liveness.read().problem(liveness.DISPENSER) else "now"
-    now = statuses[0].now if statuses else db_now()
-    busy = starts_last_hour(now)
-    shown = [
-        s for s in statuses
-        if (not query or query.lower() in s.key.lower())
-        and (only != "blocked" or s.blocked)
-        and (only != "waiting" or s.waiting)
-    ]
-    shown.sort(key=lambda s: pressure(s, busy.get(s.key, 0)))
+        raise ValueError("refresh= takes 0 to 3600 seconds")
+    return refresh
+
+
+def dashboard_view(request: HttpRequest) -> HttpResponse:
+    """The overview: totals, the last hour, failures, processes, then one row per key (``overview``)."""
+    _may_view(request)
+    query = request.GET.get("q", "").strip()
+    only = request.GET.get("only", "")
+    sort = request.GET.get("sort", overview.DEFAULT_SORT)
+    if only not in ONLY:
+        return HttpResponseBadRequest(f"only= takes {', '.join(o for o in ONLY if o)}")
+    try:
+        refresh = _refresh(request)
+        view = overview.read(db_now())
+        shown = overview.sort_rows([row for row in view.rows if _matches(row, query, only)], sort)
+    except ValueError as exc:
+        return HttpResponseBadRequest(str(exc))
     page = Paginator(shown, PER_PAGE).get_page(request.GET.get("page"))
-    series = minutes_by_key([s.key for s in page.object_list], now)
-    units = window_units(list(page.object_list), now)
-    rows = []
-    for status in page.object_list:
-        rows.append({
-            "status": status,
-            "chart": chart(status, series[status.key]),
-            "panels": policy_panels(status, units.get(status.key, {})),
-            "policies": ", ".join(p.label() for p in status.policies) or "no limit",
-            "oldest_wait": humanize_duration(status.oldest_wait),
-            "drain": status.drain_text(humanize_duration),
-            "next_free": status.next_free_text(format_moment) if status.blocked or status.held_by else free_now,
-            "paused": format_moment(status.paused_until, status.now) if status.paused_until else "",
-            "shares": _shares(status),
-        })
     keep = {k: v for k, v in (("q", query), ("only", only)) if v}
     if refresh != DEFAULT_REFRESH:
         keep["refresh"] = str(refresh)
+    if sort != overview.DEFAULT_SORT:
+        keep["sort"] = sort
+    calls = _calls_list()
+    oldest = view.oldest
     context = {
-        **admin.site.each_context(request), "title": "Dispatcher dashboard", "rows": rows, "page": page,
-        "query": query, "only": only, "refresh": refresh, "keep": urlencode(keep),
-        "total_keys": len(statuses), "matching": len(shown), "blocked": sum(1 for s in statuses if s.blocked),
-        "segments": SEGMENTS, "now": format_moment(now, now),
+        **admin.site.each_context(request), "title": "Dispatcher dashboard", "page": page,
+        "rows": [_row(row, view.now) for row in page.object_list], "columns": _columns(sort, keep),
+        "query": query, "only": only, "refresh": refresh, "keep": urlencode(keep), "sort": sort,
+        "total_keys": len(view.rows), "matching": len(shown), "now": format_moment(view.now, view.now),
+        "states": [
+            {"value": value, "label": label, "n": view.totals.get(value, 0),
+             "url": f"{calls}?state={value}" if calls and value != CallStatus.PENDING else ""}
+            for value, label in CallStatus.choices
+        ],
+        "chart": activity_chart(view.minutes), "hour": view.hour_totals(), "errors": view.errors, "gave_up": view.gave_up,
+        "failed_url": f"{calls}?state={CallStatus.FAILED}" if calls else "",
+        "oldest": {"wait": humanize_duration(oldest.status.oldest_wait), "key": oldest.key, "url": _key_url(oldest.key)} if oldest else None,
+        "processes": [
+            {"kind": kind, "text": view.processes.summary(kind), "problem": bool(view.processes.problem(kind))}
+            for kind in (liveness.DISPENSER, liveness.WORKER)
+        ],
+        "silent": [
+            {"name": b.name, "kind": b.kind, "since": humanize(b.seen_at, view.now)} for b in view.silent()
+        ],
     }
     return TemplateResponse(request, "admin/dispatcher/dashboard.html", context)
+
+
+ONLY = ("", "errors", "blocked", "waiting")
+
+
+def _matches(row: overview.KeyRow, query: str, only: str) -> bool:
+    return (
+        (not query or query.lower() in row.key.lower())
+        and (only != "errors" or bool(row.errors or row.failed))
+        and (only != "blocked" or row.status.blocked)
+        and (only != "waiting" or bool(row.status.waiting))
+    )
+
+
+def _key_url(key: str) -> str:
+    return reverse("dispatcher:dashboard-key", args=[key])
+
+
+def _calls_list() -> str:
+    try:
+        return reverse("admin:dispatcher_callqueue_changelist")
+    except NoReverseMatch:
+        return ""
+
+
+COLUMNS = (
+    ("key", "key"), ("", "policies"), ("use", "use"), ("waiting", "waiting"), ("oldest", "oldest wait"),
+    ("errors", "errors, last hour"), ("paused", "paused"), ("drain", "drains in"),
+)
+
+
+def _columns(sort: str, keep: dict[str, str]) -> list[dict[str, str]]:
+    """The table's headers, each sortable one linking to its order (largest first, then the reverse)."""
+    others = {k: v for k, v in keep.items() if k != "sort"}
+    found = []
+    for name, label in COLUMNS:
+        item = {"name": name, "label": label, "url": "", "aria": ""}
+        if name:
+            first = name if name == "key" else f"-{name}"
+            target = (first.removeprefix("-") if first.startswith("-") else f"-{name}") if sort == first else first
+            item["url"] = "?" + urlencode({**others, "sort": target})
+            if sort.removeprefix("-") == name:
+                item["aria"] = "descending" if sort.startswith("-") else "ascending"
+        found.append(item)
+    return found
+
+
+def _row(row: overview.KeyRow, now: datetime) -> dict[str, Any]:
+    """One key's compact row: its texts, and its HTML written here (a template loop over 50 rows of
+    eight cells took most of the page's time), every text escaped by ``format_html``."""
+    status = row.status
+    use = row.use
+    starved = row.starved
+    r: dict[str, Any] = {
+        "key": row.key, "url": _key_url(row.key), "blocked": status.blocked, "reason": status.blocked_reason,
+        "policies": ", ".join(p.label() for p in status.policies) or "no limit",
+        "governed_by": status.governed_by if status.governed_by and status.governed_by != row.key else "",
+        "use": f"{round(100 * use)}%" if use is not None else "-", "use_width": round(min(use, 1) * 40) if use is not None else 0,
+        "use_title": "; ".join(p.usage_text() for p in status.policies),
+        "in_flight": status.in_flight, "concurrency": status.concurrency,
+        "waiting": status.waiting, "due": status.due, "shared": status.competing,
+        "oldest_wait": humanize_duration(status.oldest_wait) if status.waiting else "-",
+        "errors": row.errors, "failed": row.failed, "latest_error": row.latest_error,
+        "paused": format_moment(status.paused_until, now) if status.paused_until else "",
+        "paused_for": humanize_duration(status.paused_until - now) if status.paused_until else "",
+        "pause_reason": status.pause_reason, "drain": status.drain_text(humanize_duration),
+        "starved": {"keys": starved[0], "wait": humanize_duration(starved[1])} if starved else None,
+    }
+    r["html"] = _row_html(r)
+    return r
+
+
+def _row_html(r: dict[str, Any]) -> SafeString:
+    classes = "key-row" + (" has-errors" if r["errors"] or r["failed"] else "")
+    classes += " is-paused" if r["paused"] else " is-blocked" if r["blocked"] else ""
+    classes += " has-starved" if r["starved"] else ""
+    if r["concurrency"]:
+        flight = f" · {r['in_flight']}/{r['concurrency']} in flight"
+    else:
+        flight = f" · {r['in_flight']} in flight" if r["in_flight"] else ""
+    waiting = str(r["waiting"]) + (f" ({r['due']} due)" if r["waiting"] and r["due"] != r["waiting"] else "")
+    waiting += f" · {r['shared']} key sets" if r["shared"] > 1 else ""
+    starved = format_html(
+        ' <span class="starved" title="its oldest call waits far longer than the other key sets\' of this key">starved: {} ({})</span>',
+        r["starved"]["keys"], r["starved"]["wait"],
+    ) if r["starved"] else ""
+    errors = (f"{r['errors']}" + (f", {r['failed']} gave up" if r["failed"] else "")) if r["errors"] or r["failed"] else "0"
+    if r["paused"]:
+        paused = format_html('<td class="paused" title="until {}">for {}{}</td>', r["paused"], r["paused_for"],
+                             f" ({r['pause_reason']})" if r["pause_reason"] else "")
+    else:
+        paused = format_html('<td class="paused">{}</td>', f"blocked: {r['reason']}" if r["blocked"] else "no")
+    return format_html(
+        '<tr class="{}" data-key="{}">\n'
+        '        <td class="key"><a href="{}" title="{}">{}</a></td>\n'
+        '        <td class="policies" title="{}{}">{}</td>\n'
+        '        <td class="use" title="{}"><span class="usebar"><span style="width: {}px"></span></span> {}{}</td>\n'
+        '        <td class="waiting">{}</td>\n'
+        '        <td class="oldest">{}{}</td>\n'
+        '        <td class="errors"{}>{}</td>\n'
+        "        {}\n"
+        '        <td class="drain">{}</td>\n'
+        "      </tr>",
+        classes, r["key"], r["url"], r["key"], r["key"],
+        r["policies"], f" (from {r['governed_by']})" if r["governed_by"] else "", r["policies"],
+        r["use_title"], r["use_width"], r["use"], flight, waiting, r["oldest_wait"], starved,
+        format_html(' title="latest: {}"', r["latest_error"]) if r["latest_error"] else "", errors, paused, r["drain"],
+    )
+
+
+ACTIVITY_WIDTH, ACTIVITY_HEIGHT = 240, 48
+
+
+def activity_chart(minutes: list[tuple[datetime, dict[str, int]]]) -> dict[str, Any]:
+    """Attempts finished per minute over the last hour as stacked SVG bars (done, error, 429), written here."""
+    peak = max([sum(counts.values()) for _, counts in minutes] + [1])
+    slot = ACTIVITY_WIDTH / len(minutes)
+    rects = []
+    for i, (minute, counts) in enumerate(minutes):
+        base = float(ACTIVITY_HEIGHT)
+        for kind, label in overview.KINDS:
+            n = counts.get(kind, 0)
+            if n:
+                h = ACTIVITY_HEIGHT * n / peak
+                base -= h
+                rects.append(format_html(
+                    '<rect class="seg-{}" x="{}" y="{}" width="{}" height="{}" data-n="{}"><title>{}: {} {}</title></rect>',
+                    kind, round(i * slot, 1), round(base, 1), round(max(slot - 1, 1), 1), round(h, 1), n, f"{minute:%H:%M}", n, label,
+                ))
+    return {
+        "width": ACTIVITY_WIDTH, "height": ACTIVITY_HEIGHT, "peak": peak, "bars": format_html_join("", "{}", ((r,) for r in rects)),
+        "first": f"{minutes[0][0]:%H:%M}", "last": f"{minutes[-1][0]:%H:%M}",
+    }
+
+
+def key_view(request: HttpRequest, key: str) -> HttpResponse:
+    """One key's full panel: starts per minute against its limits, each policy's use, backlog, shares."""
+    _may_view(request)
+    try:
+        refresh = _refresh(request)
+        validate_key(key)
+    except (ValueError, InvalidKey) as exc:
+        return HttpResponseBadRequest(str(exc))
+    status = live.key_statuses([key])[0]
+    now = status.now
+    # A free slot sends nothing while no dispenser runs: say so where the slot is read.
+    free_now = "now, but no dispenser runs" if liveness.read(now).problem(liveness.DISPENSER) else "now"
+    row = {
+        "status": status,
+        "chart": chart(status, minutes_by_key([key], now)[key]),
+        "panels": policy_panels(status, window_units([status], now).get(key, {})),
+        "policies": ", ".join(p.label() for p in status.policies) or "no limit",
+        "oldest_wait": humanize_duration(status.oldest_wait),
+        "drain": status.drain_text(humanize_duration),
+        "next_free": status.next_free_text(format_moment) if status.blocked or status.held_by else free_now,
+        "paused": format_moment(status.paused_until, status.now) if status.paused_until else "",
+        "shares": _shares(status),
+    }
+    calls = _calls_list()
+    context = {
+        **admin.site.each_context(request), "title": f"Key {key}", "row": row, "refresh": refresh,
+        "segments": SEGMENTS, "now": format_moment(now, now), "overview_url": reverse("dispatcher:dashboard"),
+        "calls_url": f"{calls}?{urlencode({'key': key})}" if calls else "",
+    }
+    return TemplateResponse(request, "admin/dispatcher/dashboard_key.html", context)
 
 
 def _shares(status: live.KeyStatus) -> list[dict[str, Any]]:

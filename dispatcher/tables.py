@@ -44,7 +44,11 @@ class Attempt(models.Model):
     class Meta:
         db_table = "dispatcher_attempt"
         ordering = ["call_id", "id"]
-        indexes = [models.Index(fields=["call", "id"], name="dispatcher_attempt_call_idx")]
+        indexes = [
+            models.Index(fields=["call", "id"], name="dispatcher_attempt_call_idx"),
+            # The dashboard's last hour (outcomes per minute, errors per key): attempts by finish.
+            models.Index(fields=["finished_at"], name="dispatcher_attempt_finish_idx"),
+        ]
 
     def __str__(self) -> str:
         return f"attempt {self.number} of call #{self.call_id}: {self.outcome}"

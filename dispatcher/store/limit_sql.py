@@ -128,3 +128,17 @@ def remember_send_delay() -> str:
         FROM m
         WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
     """
+
+
+@functools.cache
+def window_bases() -> str:
+    """The running total before each window's first start, for many windows at once (PostgreSQL):
+    params %(keys)s (text[]) and %(since)s (timestamptz[]), one window each; a row per window in
+    their order (its ordinality, then the total or NULL). One plan, one index probe per window,
+    where a probe per column (``policy_readings``) costs its planning for every window."""
+    key, started_at, cum = column("StartLog", "key"), column("StartLog", "started_at"), column("StartLog", "cum")
+    return (
+        f"SELECT w.n, (SELECT {cum} - {column('StartLog', 'units')} FROM {table('StartLog')}"
+        f" WHERE {key} = w.key AND {started_at} >= w.since ORDER BY {started_at}, {cum} LIMIT 1)"
+        " FROM unnest(%(keys)s::text[], %(since)s::timestamptz[]) WITH ORDINALITY AS w(key, since, n) ORDER BY w.n"
+    )

@@ -130,7 +130,10 @@ def test_dashboard_draws_the_chart_with_axes_and_limit(browser_page, server, art
         execute(claimed.id, claimed.dispatch_no)
     CallQueue.objects.send("greet", {"name": "waiting"})
     page = browser_page
+    # The overview's row of the key opens its full panel.
     page.goto(f"{server}/admin/dispatcher/dashboard/")
+    page.click("#key-rows tr[data-key='greeter'] td.key a")
+    page.wait_for_url("**/dispatcher/dashboard/key/greeter/")
     chart = page.locator("section.key-panel[data-key='greeter'] svg.chart")
     chart.wait_for()
     assert chart.get_attribute("data-total") == "3"
@@ -182,7 +185,7 @@ def test_dashboard_draws_each_limit_of_a_multi_window_key(browser_page, server, 
     minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
     log_starts("crm", [m - timedelta(seconds=s) for m in minutes for s in range(9)])
     page = browser_page
-    page.goto(f"{server}/admin/dispatcher/dashboard/")
+    page.goto(f"{server}/dispatcher/dashboard/key/crm/")
     section = "section.key-panel[data-key='crm']"
     page.locator(f"{section} svg.chart").wait_for()
     # The bars are drawn against the per-minute policy (10/min), not against 100/60 = 1.67/min.
@@ -207,3 +210,61 @@ def test_dashboard_draws_each_limit_of_a_multi_window_key(browser_page, server, 
     assert "0/10 in the last 1m" in minute.locator(".policy-head").inner_text()
     page.locator(section).screenshot(path=str(artifacts_dir / "dashboard-multi-window.png"))
     assert (artifacts_dir / "dashboard-multi-window.png").stat().st_size > 1000
+
+
+def _on_screen(page, selector: str, width: int = 1440, height: int = 900) -> dict:
+    """The element's box, asserted to lie wholly within the first screen (the page not scrolled)."""
+    box = page.locator(selector).bounding_box()
+    assert box is not None, f"{selector} is not displayed"
+    assert box["x"] >= 0 and box["y"] >= 0, (selector, box)
+    assert box["x"] + box["width"] <= width and box["y"] + box["height"] <= height, (selector, box)
+    return box
+
+
+def test_the_3am_scenario_is_on_the_first_screen_of_the_overview(browser_page, server, artifacts_dir):
+    from tests import console_scenario as scenario
+
+    scenario.seed(healthy=45)
+    page = browser_page
+    page.set_viewport_size({"width": 1440, "height": 900})
+    page.goto(f"{server}/dispatcher/dashboard/")
+    page.locator("#key-rows").wait_for()
+    assert page.evaluate("window.scrollY") == 0
+    page.screenshot(path=str(artifacts_dir / "overview-3am-first-screen.png"))
+    page.screenshot(path=str(artifacts_dir / "overview-3am-full.png"), full_page=True)
+    # The failing key, first (errors first), with its errors and the calls that gave up.
+    failing = f"#key-rows tr[data-key='{scenario.FAILING}']"
+    assert page.locator(f"{failing} td.errors").inner_text() == "6, 6 gave up"
+    _on_screen(page, f"{failing} td.errors")
+    assert page.locator("#key-rows tbody tr").first.get_attribute("data-key") == scenario.FAILING
+    # The paused key, with until when and why.
+    paused = f"#key-rows tr[data-key='{scenario.PAUSED}'] td.paused"
+    assert "partner maintenance" in page.locator(paused).inner_text()
+    _on_screen(page, paused)
+    # The starved tenant, on its shared key's row.
+    starved = f"#key-rows tr[data-key='{scenario.SHARED}'] .starved"
+    assert page.locator(starved).inner_text() == "starved: mail:t1 (40 min)"
+    _on_screen(page, starved)
+    # The dead worker, named with when it went silent.
+    dead = "#overview-processes li.silent"
+    assert scenario.DEAD_WORKER in page.locator(dead).inner_text()
+    _on_screen(page, dead)
+    _on_screen(page, "#overview-failures")
+    # None of it cut short by its cell (a row is one line; a cell clips what does not fit).
+    for cell in (f"{failing} td.errors", paused, f"#key-rows tr[data-key='{scenario.SHARED}'] td.oldest"):
+        assert page.eval_on_selector(cell, "e => e.scrollWidth <= e.clientWidth"), (cell, page.locator(cell).inner_text())
+    # Red where something is wrong (the dashboard's stylesheet, served with DEBUG off).
+    assert _style(page, f"{failing} td.errors", "color") == "rgb(186, 33, 33)"
+    assert _style(page, starved, "color") == "rgb(186, 33, 33)"
+    # One line per key, nothing wider than the screen, 50 keys a page and the rest on the next.
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1440
+    heights = page.eval_on_selector_all("#key-rows tbody tr", "rows => rows.map(r => r.getBoundingClientRect().height)")
+    assert len(heights) == 50 and max(heights) < 24, heights
+    assert "page 1 of 2" in page.locator(".paginator").inner_text()
+    assert (artifacts_dir / "overview-3am-first-screen.png").stat().st_size > 1000
+    # Sorting by a header keeps the page whole; the key's row opens its panel.
+    page.click("#key-rows th.col-waiting a")
+    assert page.locator("#key-rows th.col-waiting").get_attribute("aria-sort") == "descending"
+    page.goto(f"{server}/dispatcher/dashboard/")
+    page.click(f"{failing} td.key a")
+    page.locator(f"section.key-panel[data-key='{scenario.FAILING}']").wait_for()

@@ -55,6 +55,7 @@ def test_the_wheel_ships_the_app_and_nothing_of_the_repository(wheel):
         "dispatcher/migrations/0001_initial.py",
         "dispatcher/management/commands/dispense.py",
         "dispatcher/templates/admin/dispatcher/dashboard.html",
+        "dispatcher/templates/admin/dispatcher/dashboard_key.html",
         "dispatcher/static/dispatcher/dashboard.css",
     ):
         assert shipped in names
@@ -77,11 +78,13 @@ setup_test_environment()  # the test client's host
 visitor, staff = Client(), Client()
 staff.force_login(User.objects.create_superuser("ops", password="not-a-secret"))
 dashboard = staff.get("/dispatcher/dashboard/")
+key_page = staff.get("/dispatcher/dashboard/key/partner:7/")
 metrics = staff.get("/dispatcher/metrics")
 to_login = visitor.get("/dispatcher/dashboard/")
 print(json.dumps({
     "visitor": [to_login.status_code, to_login.get("Location")],
     "dashboard": [dashboard.status_code, "Dispatcher dashboard" in dashboard.content.decode()],
+    "key_page": [key_page.status_code, 'data-key="partner:7"' in key_page.content.decode()],
     "metrics": [metrics.status_code, "dispatcher_" in metrics.content.decode()],
     "view_site": '<a href="/dispatcher/dashboard/">View site</a>' in staff.get("/admin/").content.decode(),
 }))
@@ -141,6 +144,7 @@ def test_a_startproject_site_follows_the_readme_to_paced_calls_and_tasks(wheel, 
     pages = json.loads(run("python", "manage.py", "shell", "-c", SITE_PAGES, cwd=site).strip().splitlines()[-1])
     assert pages["visitor"] == [302, "/admin/login/?next=/dispatcher/dashboard/"]
     assert pages["dashboard"] == [200, True]
+    assert pages["key_page"] == [200, True]
     assert pages["metrics"] == [200, True]
     assert pages["view_site"]
 

@@ -20,6 +20,13 @@ LIMITS = "/admin/dispatcher/ratelimit/"
 DASHBOARD = "/admin/dispatcher/dashboard/"
 
 
+def key_page(key: str) -> str:
+    """A key's full panel, under the dashboard (dispatcher.urls)."""
+    from django.urls import reverse
+
+    return reverse("dispatcher:dashboard-key", args=[key])
+
+
 def make_user(name: str, *, staff: bool = True, perms: tuple[str, ...] = ()) -> User:
     user = User.objects.create_user(name, password="pw", is_staff=staff)
     for codename in perms:
@@ -398,7 +405,7 @@ def test_dashboard_charts_starts_per_minute_against_the_limit(viewer, make_call)
     log_starts("api", [minute - timedelta(seconds=s) for s in range(7)])
     for _ in range(25):
         make_call()
-    page = viewer.get(DASHBOARD).content.decode()
+    page = viewer.get(key_page("api")).content.decode()
     assert 'data-key="api"' in page and 'data-total="7"' in page
     assert page.count('class="bar"') == 60 and 'data-starts="7"' in page
     assert "limit 10.0/min" in page
@@ -437,7 +444,7 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer, make_
     # Two calls of the bucket dispatched, not started: their tokens are promised.
     shop_calls = [make_call(keys=["shop"]) for _ in range(3)]
     assert len(claim(shop_calls[0].key_set, 2).calls) == 2
-    page = viewer.get(DASHBOARD).content.decode()
+    page = viewer.get(key_page("api")).content.decode()
     # The bars (starts per minute) are drawn against the per-minute policy, not 100/60 = 1.67.
     assert "limit 10.0/min" in page and "1.67" not in page
     api = _panels(page, "api")
@@ -449,10 +456,10 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer, make_
     assert (hour["used"], hour["limit"]) == ("90", "100")
     assert 'data-peak="90" data-now="90"' in hour["html"] and "limit 100 per window" in hour["html"]
     assert "90/100 in the last 1h" in hour["html"]
-    shop = _panels(page, "shop")["60 per 1m, burst 5"]
+    shop = _panels(viewer.get(key_page("shop")).content.decode(), "shop")["60 per 1m, burst 5"]
     assert shop["shape"] == "token bucket" and "2/5 tokens spent (2 dispatched, not started)" in shop["html"]
     assert (shop["used"], shop["limit"]) == ("2", "5")
-    crm = _panels(page, "crm")
+    crm = _panels(viewer.get(key_page("crm")).content.decode(), "crm")
     learnt = crm["50 per 1h (learnt from the API)"]
     assert learnt["learnt"] == "1" and "1/50 in the last 1h" in learnt["html"]
 
@@ -487,33 +494,34 @@ def test_dashboard_splits_bars_into_done_error_and_429(viewer, make_call):
         call = make_call()
         Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
         log_starts("api", [now - timedelta(minutes=3)])
-    page = viewer.get(DASHBOARD).content.decode()
+    page = viewer.get(key_page("api")).content.decode()
     assert '<rect class="seg seg-done"' in page and 'data-n="2"' in page
     assert page.count('<rect class="seg seg-error"') == 1 and page.count('<rect class="seg seg-429"') == 1
     assert "(2 done, 1 error, 1 deferred by 429)" in page
 
 
-def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer, make_call):
+def test_dashboard_lists_keys_with_errors_first_then_blocked_then_the_longest_wait(viewer, make_call):
     edit.set_policy("full", 1, timedelta(hours=1))
     log_starts("full", [db_now()])
-    for _ in range(3):
-        make_call(keys=["busy"])
+    busy = [make_call(keys=["busy"]).id for _ in range(3)]
     make_call(keys=["quiet"])
     make_call(keys=["full"])
-    keys = [row["status"].key for row in viewer.get(DASHBOARD).context["rows"]]
-    assert keys == ["full", "busy", "quiet"]
+    failing = make_call(keys=["failing"], status="failed", attempts=3, finished_at=db_now())
+    Attempt.objects.create(call=failing, number=3, started_at=db_now(), finished_at=db_now(), outcome="failed", error="boom")
+    CallQueue.objects.filter(id__in=busy).update(created_at=db_now() - timedelta(minutes=5))
+    keys = [row["key"] for row in viewer.get(DASHBOARD).context["rows"]]
+    assert keys == ["failing", "full", "busy", "quiet"]
 
 
 def test_dashboard_filters_and_paginates_keys(viewer, make_call):
-    for i in range(45):
-        make_call(keys=[f"tenant:{i:02d}"])
+    CallQueue.objects.send_many([{"method": "noop", "keys": [f"tenant:{i:03d}"]} for i in range(120)])
     make_call(keys=["other"])
-    first = viewer.get(DASHBOARD, {"q": "tenant"})
-    assert len(first.context["rows"]) == 20 and first.context["matching"] == 45
+    first = viewer.get(DASHBOARD, {"q": "tenant", "sort": "key"})
+    assert len(first.context["rows"]) == 50 and first.context["matching"] == 120
     page = first.content.decode()
-    assert "page 1 of 3" in page and 'href="?q=tenant&amp;page=2"' in page
-    last = viewer.get(DASHBOARD, {"q": "tenant", "page": 3}).context["rows"]
-    assert [r["status"].key for r in last] == [f"tenant:{i:02d}" for i in range(40, 45)]
+    assert "page 1 of 3" in page and 'href="?q=tenant&amp;sort=key&amp;page=2"' in page
+    last = viewer.get(DASHBOARD, {"q": "tenant", "sort": "key", "page": 3}).context["rows"]
+    assert [r["key"] for r in last] == [f"tenant:{i:03d}" for i in range(100, 120)]
     assert viewer.get(DASHBOARD, {"q": "nothing-like-it"}).content.decode().count("No key matches.") == 1
 
 
@@ -522,7 +530,10 @@ def test_dashboard_refreshes_itself_unless_told_not_to(viewer):
     assert 'http-equiv="refresh"' not in viewer.get(DASHBOARD, {"refresh": 0}).content.decode()
 
 
-@pytest.mark.parametrize("params", [{"refresh": "soon"}, {"refresh": "-1"}, {"only": "everything"}])
+@pytest.mark.parametrize("params", [
+    {"refresh": "soon"}, {"refresh": "-1"}, {"only": "everything"}, {"sort": "id"}, {"sort": "--errors"},
+    {"sort": "key; drop table"}, {"sort": ""},
+])
 def test_dashboard_refuses_bad_parameters(viewer, params):
     response = viewer.get(DASHBOARD, params)
     assert response.status_code == 400 and response.content

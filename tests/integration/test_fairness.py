@@ -130,6 +130,6 @@ def test_the_dashboard_shows_each_tenants_share_of_the_shared_key(admin_client):
     Dispenser().run_once()
     for call in CallQueue.objects.filter(status=CallQueue.Status.DISPATCHED):
         execute(call.id, call.dispatch_no)
-    page = admin_client.get("/dispatcher/dashboard/?q=mail").content.decode()
+    page = admin_client.get("/dispatcher/dashboard/key/mail/").content.decode()
     assert "Shares of mail over its last window, least served first" in page
     assert page.count("<td>mail:t") == TENANTS

@@ -13,6 +13,7 @@ from django.contrib.auth.models import Permission, User
 from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import Client
+from django.urls import reverse
 
 from dispatcher.exceptions import InvalidCall, InvalidKey, InvalidParams
 from dispatcher.models import CallQueue, KeyState, RateLimit
@@ -281,6 +282,9 @@ def test_rows_stored_out_of_range_do_not_stop_rescue_dispense_admin_status_or_pr
         assert status.status_code == 200, status.content
     assert client.get(f"/api/calls/{future.id}/", HTTP_AUTHORIZATION=f"Bearer {TOKEN}").json()["run_at"].startswith("9000-")
     assert client.get("/admin/dispatcher/dashboard/").status_code == 200
+    for call in (future, stuck_bad, done_bad):
+        for key in call.keys:
+            assert client.get(reverse("dispatcher:dashboard-key", args=[key])).status_code == 200
     call_command("dispatcher_status")
     assert client.get("/metrics").status_code == 200
     # Retention deletes the finished one; the ORM can delete the others.
