@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -232,11 +232,20 @@ class Run:
 # Most handlers of one message run at once (DISPATCHER_CALLS_PER_MESSAGE > 1).
 MESSAGE_THREADS = 8
 
+# After a handler of a message returns, how long (seconds) the worker waits for the others
+# before it records what has finished: handlers that return together (no-op ones, or requests
+# answered at once) are recorded in one statement, and a slow call holds back no other's result
+# by more than this.
+GATHER = 0.005
+
+# What a handler thread returns: the outcome, the cost it reported, its send measurement.
+Ran = tuple[Outcome, Any, tuple[float | None, Any, timedelta | None]]
+
 
 def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     """Run the deliveries of one message: start them together, run their handlers at once (a
-    small thread pool), record the outcomes (the successful ones together); return the count
-    of each outcome."""
+    small thread pool), record each outcome as its handler returns (the successes that return
+    together in one statement); return the count of each outcome."""
     worker = f"{socket.gethostname()}:{os.getpid()}"
     outcomes: dict[str, int] = {}
     runs: list[Run] = []
@@ -262,14 +271,29 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         if not early:
             break
         pending = [delivery for delivery, _ in early]
-        time.sleep(min(wait for _, wait in early).total_seconds())
+        time.sleep(min(delay for _, delay in early).total_seconds())
     if not runs:
         return outcomes
     with ThreadPoolExecutor(max_workers=min(len(runs), MESSAGE_THREADS), thread_name_prefix="dispatcher-call") as pool:
-        ran = list(pool.map(_call_handler_in_pool, runs))
+        futures = {pool.submit(_call_handler_in_pool, run): run for run in runs}
+        waiting = set(futures)
+        # Each round records at least one call: as many rounds as calls at most.
+        for _ in range(len(runs)):
+            if not waiting:
+                break
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            if waiting:
+                more, waiting = wait(waiting, timeout=GATHER, return_when=ALL_COMPLETED)
+                done |= more
+            _record_ran([(run, future.result()) for future, run in futures.items() if future in done], outcomes)
+    return outcomes
+
+
+def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
+    """Record the outcomes of a message's calls whose handlers returned; count them in ``outcomes``."""
     # One call's (or the successes') failure to record must not strand the others: what could not
     # be recorded stays running until the rescue sweep returns it.
-    finished = [(run, outcome) for run, (outcome, _, _) in zip(runs, ran, strict=True) if outcome.kind == AttemptOutcome.DONE]
+    finished = [(run, outcome) for run, (outcome, _, _) in ran if outcome.kind == AttemptOutcome.DONE]
     if finished:
         try:
             _record(
@@ -283,7 +307,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
             for run, _ in finished:
                 log.debug("run_done call=%s attempt=%s", run.call.id, run.attempt.number)
             outcomes["done"] = outcomes.get("done", 0) + len(finished)
-    for run, (outcome, reported, _) in zip(runs, ran, strict=True):
+    for run, (outcome, reported, _) in ran:
         try:
             if outcome.kind != AttemptOutcome.DONE:
                 state = _record_outcome(run.call, run.attempt, run.capped, outcome)
@@ -298,12 +322,11 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     # after the outcomes as a call alone keeps its own: a handler thread that opened a
     # connection only to write its delay cost a new database session (one per 6 calls measured
     # at 8 per message).
-    for run, (_, _, measured) in zip(runs, ran, strict=True):
+    for run, (_, _, measured) in ran:
         _keep_delay(run.call.id, *measured)
-    return outcomes
 
 
-def _call_handler_in_pool(run: Run) -> tuple[Outcome, Any, tuple[float | None, Any, timedelta | None]]:
+def _call_handler_in_pool(run: Run) -> Ran:
     """Run a handler in a thread of the message's pool; return what it did, the cost it reported
     and its start-to-send measurement (the start's clock reading, what it noted, the delay), which
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
