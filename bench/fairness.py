@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import Any
 
 from bench.support import Figure, check, reset_tables
+from dispatcher.limits import edit
 
 TENANTS = 8
 PER_TENANT = 12
@@ -19,10 +20,10 @@ def _tenant_rounds() -> tuple[dict[str, int], list[int]]:
     dispenser and its calls run before the next. Return each tenant's first pass and the spread
     of the tenants' counts after every pass."""
     from dispatcher.dispenser import Dispenser
-    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.models import CallQueue
     from dispatcher.worker import execute
 
-    RateLimit.objects.set_policy("shared", 1_000_000, timedelta(seconds=1), concurrency=TENANTS)
+    edit.set_policy("shared", 1_000_000, timedelta(seconds=1), concurrency=TENANTS)
     CallQueue.objects.send_many(
         [{"method": "bench.noop", "keys": ["shared", f"tenant:{t}"]} for t in range(TENANTS) for _ in range(PER_TENANT)]
     )
@@ -67,13 +68,12 @@ def _pass_seconds(shared: bool, passes: int) -> list[float]:
 
 def fair_shares(ctx: Any) -> list[Figure]:
     """Tenants' first turns and spread under a shared key; a pass's cost with 1,000 competing key sets."""
-    from dispatcher.models import RateLimit
 
     reset_tables()
     first, spreads = _tenant_rounds()
     reset_tables()
-    RateLimit.objects.set_policy("shared", 1_000_000, timedelta(seconds=1))
-    RateLimit.objects.set_policy("set:*", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("shared", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("set:*", 1_000_000, timedelta(seconds=1))
     _pass_seconds(True, 1)  # warm caches and connections
     shared = statistics.median(_pass_seconds(True, 3))
     alone = statistics.median(_pass_seconds(False, 3))

@@ -25,6 +25,7 @@ from bench.support import (
     reset_tables,
     rss_mb,
 )
+from dispatcher.limits import edit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,14 +80,13 @@ def dispatch_throughput(ctx: Context) -> list[Figure]:
     Measured with one call per message (the default) and, as a second figure, with
     DISPATCHER_CALLS_PER_MESSAGE=10.
     """
-    from dispatcher.models import RateLimit
 
     figures = []
     brokers = [("Redis", ctx.redis_url)] + ([("RabbitMQ", ctx.amqp_url)] if ctx.amqp_url else [])
     for per_message in (1, 10):
         for label, url in brokers:
             reset_tables()
-            RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+            edit.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
             n = ctx.sizes.dispatch_calls
             backlog(n, keys=[f"bench:{i}" for i in range(10)])
             queue = f"bench-{uuid.uuid4().hex[:8]}"
@@ -170,13 +170,12 @@ def dispense_cost(ctx: Context) -> list[Figure]:
     """A pass moving 100 calls with a small history, then with a large one (calls + attempts)."""
     from django.db import connection
 
-    from dispatcher.models import RateLimit
 
     keys = [f"hist:{i}" for i in range(10)]
     medians = {}
     for size in (ctx.sizes.history_small, ctx.sizes.history_large):
         reset_tables()
-        RateLimit.objects.set_policy("hist:*", 1_000_000, timedelta(seconds=1))
+        edit.set_policy("hist:*", 1_000_000, timedelta(seconds=1))
         with connection.cursor() as cursor:
             cursor.execute(HISTORY_SQL, [size])
             cursor.execute(ATTEMPT_SQL)
@@ -209,10 +208,10 @@ def _wait_done(n: int, timeout: float) -> bool:
 
 def wake_latency(ctx: Context) -> list[Figure]:
     """Calls sent one by one under the limit; send -> handler start with a long-running dispenser."""
-    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.models import CallQueue
 
     reset_tables()
-    RateLimit.objects.set_policy("lat", 1000, timedelta(seconds=1))
+    edit.set_policy("lat", 1000, timedelta(seconds=1))
     procs = ctx.processes(DISPATCHER_POLL_INTERVAL="5s")
     try:
         procs.dispenser()
@@ -265,12 +264,12 @@ def utilisation_bucket(ctx: Context) -> list[Figure]:
 
 
 def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
-    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from dispatcher.models import Attempt, CallQueue
     from support.windows import max_in_window
 
     limit, seconds = 50, ctx.sizes.utilisation_seconds
     reset_tables()
-    RateLimit.objects.set_policy("util", limit, timedelta(seconds=1), burst=burst)
+    edit.set_policy("util", limit, timedelta(seconds=1), burst=burst)
     backlog(int(limit * (seconds + 15)), keys=["util"])
     procs = ctx.processes()
     try:
@@ -333,14 +332,14 @@ def limit_size(ctx: Context) -> list[Figure]:
     from django.db import connection
 
     from dispatcher.limits.catalog import Policies
-    from dispatcher.models import CallQueue, KeyState, RateLimit
+    from dispatcher.models import CallQueue, KeyState
 
     rounds = 40
     medians: dict[tuple[str, int], tuple[float, float]] = {}
     for shape, burst in (("window", None), ("bucket", 2_000_000)):
         for n in (1_000, ctx.sizes.window_starts):
             reset_tables()
-            RateLimit.objects.set_policy("big", 2_000_000, timedelta(days=1), burst=burst)
+            edit.set_policy("big", 2_000_000, timedelta(days=1), burst=burst)
             with connection.cursor() as cursor:
                 cursor.execute(WINDOW_LOG_SQL, {"n": n})
                 cursor.execute("ANALYZE dispatcher_keystart")
@@ -387,7 +386,7 @@ def completed_calls(ctx: Context) -> list[Figure]:
     import redis
     from django.db.models import Max, Min
 
-    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from dispatcher.models import Attempt, CallQueue
     from support.processes import wait_until
 
     n = ctx.sizes.completed_calls
@@ -412,7 +411,7 @@ def completed_calls(ctx: Context) -> list[Figure]:
             baseline = _rate(n, time.perf_counter() - started)
             reset_tables()
             # Keys with a policy, as real calls have: every start and finish goes through the limiter.
-            RateLimit.objects.set_policy("done:*", 1_000_000, timedelta(seconds=1))
+            edit.set_policy("done:*", 1_000_000, timedelta(seconds=1))
             backlog(n, keys=[f"done:{i}" for i in range(10)])
             env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
             dispenser = procs.dispenser(extra_env=env)
@@ -491,10 +490,10 @@ class _HttpWorkload:
         (``per_message`` None: the default settings, the dispenser choosing)."""
         from django.db.models import Max, Min
 
-        from dispatcher.models import Attempt, CallQueue, RateLimit
+        from dispatcher.models import Attempt, CallQueue
 
         reset_tables()
-        RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
+        edit.set_policy("api", 1_000_000, timedelta(seconds=1))
         CallQueue.objects.send_many(
             [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
         )
@@ -662,7 +661,7 @@ def worker_cpu(ctx: Context) -> list[Figure]:
     import httpx
 
     from dispatcher.limits.catalog import Policies
-    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.models import CallQueue
     from dispatcher.worker import execute
     from support.fakeapi import FakeAPI
 
@@ -672,7 +671,7 @@ def worker_cpu(ctx: Context) -> list[Figure]:
     api = FakeAPI().start()
     url = f"{api.url}/slow?delay=0"
     try:
-        RateLimit.objects.set_policy("cpu", 1_000_000, timedelta(seconds=1))
+        edit.set_policy("cpu", 1_000_000, timedelta(seconds=1))
         CallQueue.objects.send_many(
             [{"method": "http", "params": {"method": "GET", "url": url}, "keys": ["cpu"]} for _ in range(2 * n + 50)]
         )
@@ -832,11 +831,11 @@ def http_latency(ctx: Context) -> list[Figure]:
     send returned (its commit), claimed by the dispenser (dispatched_at), received by the worker
     process, recorded start, handler entered (the start's commit returned), arrival at the API.
     """
-    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from dispatcher.models import Attempt, CallQueue
     from support.fakeapi import FakeAPI
 
     reset_tables()
-    RateLimit.objects.set_policy("lat", 1000, timedelta(seconds=1))
+    edit.set_policy("lat", 1000, timedelta(seconds=1))
     api = FakeAPI().start()
     procs = ctx.processes(**_http_env())
     sent: dict[str, float] = {}

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from bench.support import Figure, check, reset_tables
+from dispatcher.limits import edit
 
 THREADS = 8
 CALLS = 1_600
@@ -85,7 +86,6 @@ def _lock_hold_ms() -> float:
 
 def hot_key(ctx: Any) -> list[Figure]:
     """Starts per second of one key, one call per message and grouped, beside spread keys."""
-    from dispatcher.models import RateLimit
 
     figures = {}
     for name, keys, size in (
@@ -93,13 +93,13 @@ def hot_key(ctx: Any) -> list[Figure]:
         ("spread, 1 per message", [f"k{i}" for i in range(THREADS)], 1),
     ):
         reset_tables()
-        RateLimit.objects.set_policy("hot", 1_000_000_000, timedelta(seconds=1))
-        RateLimit.objects.set_policy("k*", 1_000_000_000, timedelta(seconds=1))
+        edit.set_policy("hot", 1_000_000_000, timedelta(seconds=1))
+        edit.set_policy("k*", 1_000_000_000, timedelta(seconds=1))
         claimed = _claimed(keys)
         groups = [claimed[i:i + size] for i in range(0, len(claimed), size)]
         figures[name] = _run(groups)
     reset_tables()
-    RateLimit.objects.set_policy("hot", 1_000_000_000, timedelta(seconds=1))
+    edit.set_policy("hot", 1_000_000_000, timedelta(seconds=1))
     hold = _lock_hold_ms()
     ctx.broker.purge()
     one, grouped, spread = figures["hot, 1 per message"], figures["hot, 10 per message"], figures["spread, 1 per message"]

@@ -11,26 +11,22 @@ every claim and start then absorbs them (``guard.learnt_delay``).
 """
 from __future__ import annotations
 
-import contextvars
 import time
 from datetime import datetime, timedelta
 from typing import Any
 
 from dispatcher.limits.guard import DelayMemory, remember_delay
+from dispatcher.running import carry, here
 
-_clock_read: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_clock_read", default=None)
-_sent: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_sent", default=None)
-_invoked: contextvars.ContextVar[float | None] = contextvars.ContextVar("dispatcher_invoked", default=None)
 # What a start noted: each key's memory span, what its memory held, the start's database time.
 Noted = tuple[
     dict[str, timedelta], dict[str, DelayMemory], datetime, dict[str, timedelta], dict[str, list[timedelta]]
 ]
-_spans: contextvars.ContextVar[Noted | None] = contextvars.ContextVar("dispatcher_spans", default=None)
 
 
 def mark_clock() -> None:
     """Note that the database clock is about to be read for a start (called before the query)."""
-    _clock_read.set(time.monotonic())
+    here().clock_read = time.monotonic()
 
 
 def note_start(
@@ -40,7 +36,7 @@ def note_start(
     """Remember, for the start being judged, how long each key keeps its measured delays, what it
     kept at ``now`` (so a worker writes only a delay that changes it), the delay each key's guard
     was learnt from and the periods of its buckets."""
-    _spans.set((spans, kept, now, learnt, buckets))
+    here().noted = (spans, kept, now, learnt, buckets)
 
 
 def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timedelta], timedelta]]:
@@ -76,8 +72,9 @@ def mark_sent() -> None:
     Called from a handler; the first call counts. Without it the handler's invocation counts,
     which leaves out whatever the handler does before it sends.
     """
-    if _sent.get() is None:
-        _sent.set(time.monotonic())
+    run = here()
+    if run.sent is None:
+        run.sent = time.monotonic()
 
 
 def trace(event: str, info: dict[str, Any]) -> None:
@@ -88,14 +85,14 @@ def trace(event: str, info: dict[str, Any]) -> None:
 
 def snapshot() -> tuple[float | None, Noted | None]:
     """Return what this thread's last start noted (to carry to a thread it started a call for)."""
-    return _clock_read.get(), _spans.get()
+    run = here()
+    return run.clock_read, run.noted
 
 
 def restore(noted: tuple[float | None, Noted | None] | None) -> None:
     """Take what another thread's start noted for this thread's call (``dispatcher.combiner``, a message's handler threads)."""
     if noted is not None:
-        _clock_read.set(noted[0])
-        _spans.set(noted[1])
+        carry(*noted)
 
 
 def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
@@ -113,22 +110,21 @@ def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
 def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
     (for its ``keys`` only, when given)."""
-    _sent.set(None)
-    _invoked.set(None)
-    noted = _spans.get()
-    return _clock_read.get(), noted if keys is None else for_keys(noted, keys)
+    run = here()
+    run.sent = run.invoked = None
+    return run.clock_read, run.noted if keys is None else for_keys(run.noted, keys)
 
 
 def mark_invoked() -> None:
     """Note that the handler is being invoked (what counts as the send if it marks none)."""
-    _invoked.set(time.monotonic())
+    here().invoked = time.monotonic()
 
 
 def sent_after(clock_read: float | None) -> timedelta | None:
     """Return the delay from the start's clock reading to the send (None if either is unknown)."""
-    sent = _sent.get() if _sent.get() is not None else _invoked.get()
-    _sent.set(None)
-    _invoked.set(None)
+    run = here()
+    sent = run.sent if run.sent is not None else run.invoked
+    run.sent = run.invoked = None
     if clock_read is None or sent is None:
         return None
     return timedelta(seconds=max(sent - clock_read, 0.0))

@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 from django.apps import apps
 from django.core import checks
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import ImproperlyConfigured, ObjectDoesNotExist
 from django.db import transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
-from dispatcher import handler, tables
+from dispatcher import handler
 from dispatcher.calls.once import clean_unique
 from dispatcher.exceptions import InvalidCall, InvalidParams, PermanentError, RateLimited
 from dispatcher.keys import format_key, resolve_keys
@@ -97,6 +97,14 @@ class TaskLost(Exception):
 
 class TaskImportError(PermanentError, ImportError):
     """The task's dotted path cannot be imported in the worker; the task fails without a retry."""
+
+
+def _calls() -> type[CallQueue]:
+    """The call table. Looked up when a task is enqueued or read, not imported: Django loads a task
+    backend wherever TASKS names it, in a site that may not install the app (``check`` then says so),
+    and dispatcher.models may only be imported where the app is installed."""
+    model: type[CallQueue] = apps.get_model("dispatcher", "CallQueue")
+    return model
 
 
 class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where the backport provides it
@@ -178,7 +186,7 @@ class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where
             run_at = timezone.make_aware(run_at)
         token = _enqueuing.set(True)
         try:
-            call = tables.CallQueue.objects.send(
+            call = _calls().objects.send(
                 TASK_METHOD, params, keys=keys, priority=task.priority, run_at=run_at,
                 max_attempts=self.max_attempts, queue=None if task.queue_name == DEFAULT_TASK_QUEUE_NAME else task.queue_name,
                 **once,
@@ -194,8 +202,8 @@ class DispatcherBackend(BaseTaskBackend):  # type: ignore[misc]  # untyped where
     def get_result(self, result_id: str) -> TaskResult:
         """Return the task's result as its call stands now; raise TaskResultDoesNotExist if none."""
         try:
-            call = tables.CallQueue.objects.get(pk=int(result_id), method=TASK_METHOD)
-        except (TypeError, ValueError, tables.CallQueue.DoesNotExist):
+            call = _calls().objects.get(pk=int(result_id), method=TASK_METHOD)
+        except (TypeError, ValueError, ObjectDoesNotExist):
             raise TaskResultDoesNotExist(result_id) from None
         try:
             task = stored_task(call.params, call.priority)

@@ -13,7 +13,7 @@ from typing import Any
 from celery.signals import beat_init
 
 from dispatcher.conf import dispatcher_settings as ds
-from dispatcher.models import RateLimit
+from dispatcher.limits import edit
 
 log = logging.getLogger("dispatcher")
 
@@ -55,7 +55,7 @@ def seed_schedules() -> list[str]:
 
 def on_post_migrate(sender: Any = None, **kwargs: Any) -> None:
     """Seed policies and schedules once the tables exist."""
-    RateLimit.objects.seed_from_settings()
+    edit.seed_from_settings()
     seed_schedules()
 
 

@@ -1,15 +1,13 @@
 """A call's cost in units per key: checked at send(), reported by a handler after it ran."""
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dispatcher.exceptions import InvalidCost
+from dispatcher.running import here
 
 MAX_UNITS = 2**31 - 1
-
-_reported: contextvars.ContextVar[Any] = contextvars.ContextVar("dispatcher_reported_cost", default=None)
 
 
 def _units(value: Any, what: str) -> int:
@@ -58,10 +56,10 @@ def report_cost(units: int | Mapping[str, int]) -> None:
     if isinstance(units, Mapping):
         for key, value in units.items():
             _reported_units(value, f"reported cost of {key!r}")
-        _reported.set(dict(units))
+        here().reported = dict(units)
     else:
         _reported_units(units, "reported cost")
-        _reported.set(units)
+        here().reported = units
 
 
 def _reported_units(value: Any, what: str) -> None:
@@ -82,6 +80,6 @@ def bounded_charge(delta: int, capacity: int) -> int:
 
 def take_reported() -> Any:
     """Return the cost the handler reported for the call that just ran (None if none), and forget it."""
-    value = _reported.get()
-    _reported.set(None)
+    run = here()
+    value, run.reported = run.reported, None
     return value

@@ -22,7 +22,6 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator
-from contextvars import ContextVar
 from http.cookiejar import DefaultCookiePolicy
 from typing import Any, NoReturn
 
@@ -30,10 +29,7 @@ import httpcore
 import httpx
 
 from dispatcher.conf import dispatcher_settings
-
-# The monotonic time by which the current call must be over; every read, write and connect
-# of its request is cut to what is left, so a trickling answer cannot outlive the call.
-_deadline: ContextVar[float | None] = ContextVar("dispatcher_http_deadline", default=None)
+from dispatcher.running import here
 
 # Connections a worker process's client opens and keeps alive at most: a -c 32 threads worker's
 # calls to a few hosts, with room to spare; more only holds sockets open at the API.
@@ -49,7 +45,9 @@ class AddressRefused(Exception):
 
 def _left(timeout: float | None, error: type[Exception]) -> float | None:
     """Return the timeout of one network operation, cut to what is left of the call's time."""
-    deadline = _deadline.get()
+    # The running call's deadline: every read, write and connect of its request is cut to what
+    # is left, so a trickling answer cannot outlive the call.
+    deadline = here().deadline
     if deadline is None:
         return timeout
     left = deadline - time.monotonic()
@@ -215,11 +213,12 @@ if hasattr(os, "register_at_fork"):
 @contextlib.contextmanager
 def deadline(seconds: float) -> Iterator[None]:
     """Bound every network operation inside the block to ``seconds`` from now in all."""
-    token = _deadline.set(time.monotonic() + seconds)
+    run = here()
+    before, run.deadline = run.deadline, time.monotonic() + seconds
     try:
         yield
     finally:
-        _deadline.reset(token)
+        run.deadline = before
 
 
 # Most raw bytes read for one answer, whatever it decompresses to.

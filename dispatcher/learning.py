@@ -1,7 +1,7 @@
 """Adapt keys to what an API says about its limits: pause while nothing remains, learn tighter limits.
 
 Which keys: the key a handler names, else the keys of the call being run (the worker sets them
-in ``current_keys`` around the handler). A learnt limit is one more window policy on the key
+in its ``dispatcher.running.Run`` around the handler). A learnt limit is one more window policy on the key
 (see ``catalog.Policies.load``): it can only hold calls back, never let more through than the
 configured policies. Pauses are cut to ``DISPATCHER_MAX_PAUSE``, learnt windows to that and to
 an hour, and a learnt limit lasts ``DISPATCHER_LEARNT_LIMIT_TTL`` after
@@ -12,21 +12,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.db.models import Max, Sum
+from django.db.models.expressions import RawSQL
 
 from dispatcher import tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.ratelimit_headers import Signal, signal
+from dispatcher.running import here
 from dispatcher.states import AttemptOutcome, CallStatus
+from dispatcher.store import call_sql
 
 if TYPE_CHECKING:
     from dispatcher.models import LearntLimit
@@ -43,9 +44,6 @@ _stored: dict[tuple[str, int, timedelta], float] = {}
 REFRESH = 30.0
 MAX_REMEMBERED = 10_000
 
-current_keys: ContextVar[tuple[str, ...]] = ContextVar("dispatcher_current_keys", default=())
-# When the running call's attempt was recorded as started (the start log's time for it).
-current_start: ContextVar[datetime | None] = ContextVar("dispatcher_current_start", default=None)
 # Learnt limits inferred from Retry-After kept per key (the most recent ones).
 MAX_INFERRED = 4
 # What one API's answers may leave per key, whatever they say (SPEC invariant 9): at most this
@@ -60,18 +58,6 @@ _new_lessons: dict[str, tuple[int, set[tuple[int, float | None]]]] = {}
 _throttled: dict[tuple[str, ...], int] = {}
 
 
-@contextmanager
-def running_call(keys: Sequence[str], started_at: datetime | None = None) -> Iterator[None]:
-    """Name the keys (and the recorded start) of the call a handler is running, for the signals it reports."""
-    token = current_keys.set(tuple(keys))
-    start_token = current_start.set(started_at)
-    try:
-        yield
-    finally:
-        current_start.reset(start_token)
-        current_keys.reset(token)
-
-
 def cap_pause(seconds: float | None) -> float | None:
     """Return a pause cut to DISPATCHER_MAX_PAUSE (``None`` stays ``None``)."""
     if seconds is None or seconds != seconds:
@@ -81,7 +67,7 @@ def cap_pause(seconds: float | None) -> float | None:
 
 def apply(found: Signal, keys: Sequence[str] | None = None) -> None:
     """Pause and teach the keys what the API said; a failure here never fails the call."""
-    keys = tuple(keys) if keys else current_keys.get()
+    keys = tuple(keys) if keys else here().keys
     if found.empty or not keys:
         return
     try:
@@ -236,7 +222,7 @@ def _budget(
         return
     source = f"{found.source or 'handler'}:remaining"[:40]
     model.objects.filter(key=key, source=source).delete()
-    running = tables.CallQueue.objects.filter(status=CallStatus.RUNNING).values("id")
+    running = RawSQL(call_sql.running_ids(), [CallStatus.RUNNING])
     first = (
         tables.StartLog.objects.filter(key=key, call_id__in=running, started_at__lte=now)
         .order_by("started_at").values_list("started_at", flat=True).first()
@@ -290,8 +276,8 @@ def infer_from_retry_after(retry_after: float | None, text: str = "", keys: Sequ
     expiry as an announced one, so an API that never states its limit costs 429s in its first
     window only, not one per window. A failure here never fails the call.
     """
-    keys = tuple(keys) if keys else current_keys.get()
-    started = current_start.get()
+    keys = tuple(keys) if keys else here().keys
+    started = here().started_at
     wait = cap_pause(retry_after)
     if not keys or started is None or not wait:
         return

@@ -1,7 +1,7 @@
-"""The doors to the call and policy tables: ``CallQueue.objects`` and ``RateLimit.objects``.
+"""The door to the call table: ``CallQueue.objects``.
 
 Each method names one operation and hands it to the module of its phase (``dispatcher.calls``
-for calls, ``dispatcher.limits.edit`` for policies), which holds the algorithm and its statements.
+for calls), which holds the algorithm and its statements.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from dispatcher.calls.dispense import BatchClaim, Claimed
 from dispatcher.calls.start import Started
 from dispatcher.calls.sweep import RescueReport
 from dispatcher.keys import key_in_set
-from dispatcher.limits import catalog, edit
+from dispatcher.limits import catalog
 from dispatcher.states import CallStatus as Status
 
 if TYPE_CHECKING:
-    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from dispatcher.models import Attempt, CallQueue
 
-__all__ = ["BatchClaim", "CallQueueManager", "CallQueueQuerySet", "Claimed", "RateLimitManager", "RescueReport", "Started"]
+__all__ = ["BatchClaim", "CallQueueManager", "CallQueueQuerySet", "Claimed", "RescueReport", "Started"]
 
 
 class CallQueueQuerySet(models.QuerySet["CallQueue"]):
@@ -171,40 +171,3 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
     def cancel(self, ids: Iterable[int]) -> int:
         """Cancel waiting calls; calls in flight or finished are left alone."""
         return sweep.cancel(self, ids)
-
-
-class RateLimitManager(models.Manager["RateLimit"]):
-    """Edits of rate policies and pauses, shared by the command, the admin and settings."""
-
-    def set_policy(
-        self,
-        key: str,
-        limit: int,
-        period: timedelta,
-        concurrency: int | None = None,
-        *,
-        burst: int | None = None,
-        replacing: int | None = None,
-    ) -> RateLimit:
-        """Create or update the policy of ``key`` for ``period``: a window, or a bucket with ``burst``."""
-        return edit.set_policy(self, key, limit, period, concurrency, burst, replacing)
-
-    def delete_policies(self, key: str, period: timedelta | None = None) -> int:
-        """Delete the policies of ``key`` (only the one of ``period`` if given); return how many."""
-        return edit.delete_policies(self, key, period)
-
-    def pause_key(self, key: str, duration: timedelta, reason: str = "paused by operator") -> datetime:
-        """Pause a key (or every key a pattern matches) for a duration from now."""
-        return edit.pause_key(self, key, duration, reason)
-
-    def resume_key(self, key: str) -> int:
-        """Lift the pause of a key (or pattern); return how many pauses were lifted."""
-        return edit.resume_key(self, key)
-
-    def set_weight(self, key: str, weight: int | None) -> None:
-        """Give key sets carrying ``key`` (or a pattern's keys) ``weight`` shares of the keys they share."""
-        edit.set_weight(self, key, weight)
-
-    def seed_from_settings(self) -> int:
-        """Upsert the policies listed in DISPATCHER_RATE_LIMITS; return how many."""
-        return edit.seed_from_settings(self)

@@ -1,24 +1,85 @@
-"""The call a handler is running, for a handler that needs its row (the Tasks backend's ``task``)."""
+"""The running call: one object per thread says what the worker knows of the call it starts and runs.
+
+A worker's thread starts a call (the start reads the database clock and notes what each key's
+arrival guard kept), then runs its handler. While the handler runs, the handler (or the http
+handler for it) reports to the dispatcher: that the request goes out now (``mark_sent``), what
+the call really cost (``report_cost``), what the API's rate-limit headers said (``learning``),
+how long the network may take (``httpclient.deadline``). All of it lands in this thread's
+:class:`Run`, held by the one ContextVar of this module; nothing else in the app keeps state
+per running call.
+
+Threads do not share a ``Run``: a thread that runs a call started by another (a message's
+handler threads, a combined start's followers) takes a new one with what that start noted
+(:func:`carry`).
+"""
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-_call: contextvars.ContextVar[Any] = contextvars.ContextVar("dispatcher_running_call", default=None)
+
+@dataclass(slots=True)
+class Run:
+    """What this thread knows of the call it starts and runs."""
+
+    # The started call (a ``CallQueue`` row) whose handler runs, its keys and its recorded start.
+    call: Any = None
+    keys: tuple[str, ...] = ()
+    started_at: datetime | None = None
+    # The start's clock: this thread's monotonic time just before the start read the database's,
+    # and what the start noted of each key's arrival guard (``dispatcher.arrivals``).
+    clock_read: float | None = None
+    noted: Any = None
+    # When the request went out (the handler says so), else when the handler was invoked.
+    sent: float | None = None
+    invoked: float | None = None
+    # The cost the handler reported (``dispatcher.report_cost``), None if it reported none.
+    reported: Any = None
+    # The monotonic time by which every network operation must be over (``httpclient.deadline``).
+    deadline: float | None = None
+
+
+_run: contextvars.ContextVar[Run | None] = contextvars.ContextVar("dispatcher_run", default=None)
+
+
+def here() -> Run:
+    """Return this thread's ``Run`` (a new, empty one on first use)."""
+    run = _run.get()
+    if run is None:
+        run = Run()
+        _run.set(run)
+    return run
+
+
+def carry(clock_read: float | None, noted: Any) -> Run:
+    """Give this thread a new ``Run`` with what another thread's start noted; return it."""
+    run = Run(clock_read=clock_read, noted=noted)
+    _run.set(run)
+    return run
 
 
 @contextmanager
-def running(call: Any) -> Iterator[None]:
-    """Name the started call (a ``CallQueue`` row) whose handler runs inside the block."""
-    token = _call.set(call)
+def running(
+    call: Any = None, *, keys: Sequence[str] | None = None, started_at: datetime | None = None
+) -> Iterator[Run]:
+    """Name the started call whose handler runs inside the block (its keys and start, unless
+    given: a handler tested outside a worker names only ``keys``)."""
+    run = here()
+    before = run.call, run.keys, run.started_at
+    run.call = call
+    run.keys = tuple(keys if keys is not None else getattr(call, "keys", ()))
+    run.started_at = started_at if started_at is not None else getattr(call, "started_at", None)
     try:
-        yield
+        yield run
     finally:
-        _call.reset(token)
+        run.call, run.keys, run.started_at = before
 
 
 def current_call() -> Any:
     """Return the started call whose handler runs on this thread, or None outside a worker's run."""
-    return _call.get()
+    run = _run.get()
+    return None if run is None else run.call

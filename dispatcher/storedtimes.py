@@ -18,6 +18,11 @@ from dispatcher.validation import EARLIEST, LATEST
 
 log = logging.getLogger("dispatcher")
 
+# The stored values this process has already logged: a row read on every dispense pass is logged
+# once, not once a pass. Bounded; cleared when full (a value then logs once more).
+_logged: set[str] = set()
+MAX_LOGGED = 1_000
+
 
 def clamping_loader(base: type) -> type:
     """Return a subclass of a timestamptz loader that reads out-of-range values as a bound."""
@@ -31,7 +36,11 @@ def clamping_loader(base: type) -> type:
             except Exception as exc:  # psycopg.DataError, or ValueError/OverflowError from datetime
                 text = bytes(data).decode("ascii", "replace")
                 bound = EARLIEST if text.endswith("BC") or text.startswith("-") else LATEST
-                log.warning("timestamp_out_of_range stored=%s read_as=%s error=%r", text, bound.isoformat(), exc)
+                if text not in _logged:
+                    if len(_logged) >= MAX_LOGGED:
+                        _logged.clear()
+                    _logged.add(text)
+                    log.warning("timestamp_out_of_range stored=%s read_as=%s error=%r", text, bound.isoformat(), exc)
                 if not hasattr(self, "timezone"):  # psycopg's own loader: aware, in UTC
                     return bound
                 # Django's loader: its time zone, or naive when USE_TZ is off.

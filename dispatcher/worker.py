@@ -24,7 +24,6 @@ from dispatcher.combiner import StartCombiner
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
-from dispatcher.learning import running_call
 from dispatcher.limits import ledger
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.neterrors import network_cause
@@ -170,7 +169,7 @@ def _call_handler(call: Any) -> Outcome:
     """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
-        with running_call(call.keys, call.started_at), running(call):  # what an API's rate-limit signals apply to
+        with running(call):  # what the handler reports (cost, send, the API's signals) applies to
             arrivals.mark_invoked()
             result = fn(**call.params)
     except RateLimited as exc:

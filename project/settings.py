@@ -31,11 +31,19 @@ DEBUG = env_bool("DJANGO_DEBUG", False)
 # database server is production, and refuses to start without a key of its own.
 DEVELOPMENT_SECRET_KEY = "insecure-dev-key-change-me"
 PLACEHOLDER_SECRET_KEYS = {DEVELOPMENT_SECRET_KEY, "change-me-in-production", "change-me", "changeme", "secret"}
+# A key `django-admin startproject` generated says by its prefix that it was never meant to serve
+# (Django's own deploy check, W009, names it too); one of fewer than 5 distinct characters guards
+# nothing.
+INSECURE_PREFIX = "django-insecure-"
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "").strip()
-if not SECRET_KEY or SECRET_KEY in PLACEHOLDER_SECRET_KEYS:
+if (
+    not SECRET_KEY or SECRET_KEY in PLACEHOLDER_SECRET_KEYS or SECRET_KEY.startswith(INSECURE_PREFIX)
+    or len(set(SECRET_KEY)) < 5
+):
     if not os.environ.get("DATABASE_URL", "sqlite:").startswith("sqlite:"):
         raise ImproperlyConfigured(
-            "DJANGO_SECRET_KEY is not set (or is a placeholder) while DATABASE_URL names a database "
+            "DJANGO_SECRET_KEY is not set (or is a placeholder: a known default, a django-insecure- key, "
+            "fewer than 5 distinct characters) while DATABASE_URL names a database "
             "server: production needs a key of its own. Generate one with "
             "`python -c 'from django.core.management.utils import get_random_secret_key as k; print(k())'` "
             "and set it in the environment."

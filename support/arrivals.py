@@ -13,6 +13,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from dispatcher.limits import edit
 from support.fakeapi import Bucket, Smooth, Window
 from support.processes import wait_until
 
@@ -67,13 +68,13 @@ def run_shapes(
     procs, fake_api, extra_env: dict[str, str] | None = None, method: str = "http", queue: str | None = None
 ) -> dict[str, dict[str, float]]:
     """Send a backlog to every shape's partner through 3 dispensers and 2 late workers; measure each."""
-    from dispatcher.models import Attempt, CallQueue, RateLimit
+    from dispatcher.models import Attempt, CallQueue
 
     fake_api.shapes = {name: make() for name, (make, _, _, _) in SHAPES.items()}
     rng = random.Random(11)
     sent: dict[str, list[int]] = {}
     for name, (_, policy, n, costs) in SHAPES.items():
-        RateLimit.objects.set_policy(f"api:{name}", **policy)
+        edit.set_policy(f"api:{name}", **policy)
         sent[name] = [rng.randint(*costs) if costs else 1 for _ in range(n)]
         CallQueue.objects.send_many([
             {

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     pass
 
 from dispatcher.admin.common import ButtonsMixin, ModelAdmin, ModelForm, RefuseUnstorableMixin, _log_change
+from dispatcher.limits import edit
 
 
 class DurationTextField(forms.Field):
@@ -150,17 +151,17 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
 
     def save_model(self, request: HttpRequest, obj: RateLimit, form: forms.Form, change: bool) -> None:
         # The manager's edits lock the key and wake the dispensers, as the command's do.
-        saved = RateLimit.objects.set_policy(
+        saved = edit.set_policy(
             obj.key, obj.limit, obj.period, obj.concurrency, burst=obj.burst, replacing=obj.pk if change else None
         )
         obj.pk = saved.pk
 
     def delete_model(self, request: HttpRequest, obj: RateLimit) -> None:
-        RateLimit.objects.delete_policies(obj.key, obj.period)
+        edit.delete_policies(obj.key, obj.period)
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[RateLimit]) -> None:
         for key, period in queryset.values_list("key", "period"):
-            RateLimit.objects.delete_policies(key, period)
+            edit.delete_policies(key, period)
 
     def _statuses(self, policy: RateLimit) -> list[live.KeyStatus]:
         statuses = getattr(_page, "statuses", {})
@@ -250,7 +251,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
             return
         keys = sorted(set(queryset.values_list("key", flat=True)))
         for key in keys:
-            until = RateLimit.objects.pause_key(key, duration)
+            until = edit.pause_key(key, duration)
         _log_change(request, queryset, f"Paused for {format_duration(duration)}")
         self.message_user(
             request,
@@ -260,7 +261,7 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
 
     @admin.action(description="Resume the selected keys", permissions=["change"])
     def resume(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        lifted = sum(RateLimit.objects.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
+        lifted = sum(edit.resume_key(k) for k in set(queryset.values_list("key", flat=True)))
         if lifted:
             _log_change(request, queryset, "Resumed")
         self.message_user(request, ngettext("%d pause lifted.", "%d pauses lifted.", lifted) % lifted)

@@ -19,7 +19,7 @@ from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
 from dispatcher.states import CallStatus, WaitKind
-from dispatcher.store import limit_sql, schema
+from dispatcher.store import call_sql, limit_sql, schema
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -194,8 +194,10 @@ def running_by_key(keys: Iterable[str] | None = None, using: str | None = None) 
     """Return how many calls are running per key (of ``keys`` if given); for display and signals."""
     wanted = set(keys) if keys is not None else None
     counts: dict[str, int] = {}
-    running = tables.CallQueue.objects.using(alias(using)).filter(status=CallStatus.RUNNING)
-    for text in running.values_list("key_set", flat=True).iterator():
+    with connections[alias(using)].cursor() as cursor:
+        cursor.execute(call_sql.running_key_sets(), [CallStatus.RUNNING])
+        key_sets = [row[0] for row in cursor.fetchall()]
+    for text in key_sets:
         for key in parse_key_set(text):
             if wanted is None or key in wanted:
                 counts[key] = counts.get(key, 0) + 1

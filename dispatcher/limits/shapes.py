@@ -329,10 +329,16 @@ class TokenBucket(Policy):
     def rebase(self, tat: None, now: datetime, new: TokenBucket) -> None: ...
 
     def rebase(self, tat: datetime | None, now: datetime, new: TokenBucket) -> datetime | None:
-        """Return the state under an edited policy, carrying the units still owed (not the time)."""
+        """Return the state under an edited policy, carrying the units still owed (not the time).
+
+        What is carried is re-judged: this bucket never owes more than its depth plus one cost
+        correction (``costs.bounded_charge``, at most its depth again). A stored state beyond that
+        (written before corrections were bounded, or by hand) carries that bound, so an edit to a
+        looser policy frees a key such a state froze rather than carrying its wait.
+        """
         if tat is None or tat <= now:
             return tat
-        owed = Fraction(_us(tat - now)) / self.interval
+        owed: Fraction = min(Fraction(_us(tat - now)) / self.interval, Fraction(2 * self.depth))
         return now + _ceil_us(owed * new.interval)
 
     def explain(self) -> str:

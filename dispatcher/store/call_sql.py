@@ -129,6 +129,23 @@ def insert_calls_once() -> str:
     return _insert_calls(once=True)
 
 
+# --- calls: read from the limiter's side -------------------------------------------------------
+
+
+@functools.cache
+def running_key_sets() -> str:
+    """The key sets of the running calls (the limiter counts them per key; params: the status)."""
+    calls = "CallQueue"
+    return f"SELECT {column(calls, 'key_set')} FROM {table(calls)} WHERE {column(calls, 'status')} = %s"
+
+
+@functools.cache
+def running_ids() -> str:
+    """The ids of the running calls, as a subquery (params: the status)."""
+    calls = "CallQueue"
+    return f"SELECT {column(calls, 'id')} FROM {table(calls)} WHERE {column(calls, 'status')} = %s"
+
+
 # --- calls: dispense ---------------------------------------------------------------------------
 
 

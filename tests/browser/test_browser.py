@@ -13,7 +13,8 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import User
 
-from dispatcher.models import CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue
 from dispatcher.worker import execute
 from support.processes import ROOT, database_url, wait_until
 from tests.claims import claim
@@ -122,7 +123,7 @@ def test_admin_is_styled_with_debug_off(browser_page, server, artifacts_dir):
 
 
 def test_dashboard_draws_the_chart_with_axes_and_limit(browser_page, server, artifacts_dir):
-    RateLimit.objects.set_policy("greeter", 30, timedelta(minutes=1))
+    edit.set_policy("greeter", 30, timedelta(minutes=1))
     for name in ("a", "b", "c"):
         call = CallQueue.objects.send("greet", {"name": name})
         claimed = claim(call.key_set, 1).calls[0]
@@ -175,8 +176,8 @@ def test_dashboard_draws_each_limit_of_a_multi_window_key(browser_page, server, 
     from tests.starts import log_starts
 
     # 100 per hour plus 10 per minute, both kept: 9 starts in each of 10 minutes of the last hour.
-    RateLimit.objects.set_policy("crm", 100, timedelta(hours=1))
-    RateLimit.objects.set_policy("crm", 10, timedelta(minutes=1))
+    edit.set_policy("crm", 100, timedelta(hours=1))
+    edit.set_policy("crm", 10, timedelta(minutes=1))
     now = db_now()
     minutes = [now.replace(second=30, microsecond=0) - timedelta(minutes=k) for k in range(2, 60, 6)]
     log_starts("crm", [m - timedelta(seconds=s) for m in minutes for s in range(9)])

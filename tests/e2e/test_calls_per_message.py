@@ -7,7 +7,8 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, RateLimit, StartLog
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, StartLog
 from support.fakeapi import max_in_window
 from support.processes import wait_until
 from tests.claims import claim
@@ -27,7 +28,7 @@ def _calls_per_message(procs) -> list[int]:
 
 
 def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, fake_api):
-    RateLimit.objects.set_policy("partner", 5, timedelta(seconds=1))
+    edit.set_policy("partner", 5, timedelta(seconds=1))
     calls = [
         CallQueue.objects.send(
             "http", {"method": "GET", "url": f"{fake_api.url}/ok/{i}"}, keys=["partner"]

@@ -10,7 +10,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, KeyState
 from support.fakeapi import max_in_window
 from support.processes import ROOT, Processes, wait_until
 from tests.calls import all_finished, latency_spread, partner_call, start_times
@@ -20,9 +21,9 @@ from tests.claims import claim
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_many_dispensers_and_workers_never_exceed_any_policy(procs, fake_api):
-    RateLimit.objects.set_policy("partner", 8, timedelta(seconds=1), concurrency=4)
-    RateLimit.objects.set_policy("partner", 30, timedelta(seconds=5))
-    RateLimit.objects.set_policy("tenant:*", 3, timedelta(seconds=1))
+    edit.set_policy("partner", 8, timedelta(seconds=1), concurrency=4)
+    edit.set_policy("partner", 30, timedelta(seconds=5))
+    edit.set_policy("tenant:*", 3, timedelta(seconds=1))
     calls = [partner_call(fake_api, "/slow?delay=0.3", "ab"[i % 2], i) for i in range(60)]
     for _ in range(3):
         procs.worker(procs.queue, concurrency=2)

@@ -15,7 +15,8 @@ from django.db import transaction
 from django.db.models import F
 
 from dispatcher import liveness, waits
-from dispatcher.models import Attempt, CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue
 from support.processes import wait_until
 from tests.calls import all_finished, partner_call
 
@@ -27,8 +28,8 @@ REFILL = timedelta(seconds=2)
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_tenants_share_the_account_in_turns_at_the_api_and_their_shown_times_hold(procs, fake_api):
-    RateLimit.objects.set_policy("partner", 8, REFILL)
-    RateLimit.objects.set_policy("tenant:*", 2, REFILL)
+    edit.set_policy("partner", 8, REFILL)
+    edit.set_policy("tenant:*", 2, REFILL)
     procs.worker(procs.queue, concurrency=8)
     for _ in range(2):
         procs.dispenser()

@@ -12,8 +12,8 @@ import pytest
 from celery import Celery
 
 from dispatcher.clock import db_now
-from dispatcher.limits import catalog
-from dispatcher.models import Attempt, CallQueue, RateLimit
+from dispatcher.limits import catalog, edit
+from dispatcher.models import Attempt, CallQueue
 from support.fakeapi import max_in_window
 from support.processes import wait_until
 from tests.calls import all_finished, http_call, statuses
@@ -123,7 +123,7 @@ def publisher(broker_url: str) -> Celery:
 def test_worker_killed_mid_call_is_rescued_done_and_the_limit_holds(procs, fake_api, settings):
     settings.DISPATCHER_RUN_TIMEOUT = "4s"
     settings.DISPATCHER_DISPATCH_TIMEOUT = "3s"
-    RateLimit.objects.set_policy("api", 3, timedelta(seconds=2))
+    edit.set_policy("api", 3, timedelta(seconds=2))
     ids = send_http(fake_api, "/slow?delay=1.5", 6)
     worker = procs.worker(procs.queue, concurrency=2)
     procs.dispenser()
@@ -172,7 +172,7 @@ def test_broker_down_send_keeps_working_nothing_lost_and_all_complete_after(proc
     broker.start()
     try:
         procs.env["CELERY_BROKER_URL"] = broker.url
-        RateLimit.objects.set_policy("api", 5, timedelta(seconds=1))
+        edit.set_policy("api", 5, timedelta(seconds=1))
         first = send_http(fake_api, "/ok", 10, tag="a")
         procs.worker(procs.queue)
         dispenser = procs.dispenser()
@@ -215,7 +215,7 @@ def terminate_other_backends() -> int:
 def test_killed_database_connections_reconnect_without_loss_or_double_runs(procs, fake_api, settings):
     settings.DISPATCHER_DISPATCH_TIMEOUT = "3s"
     settings.DISPATCHER_RUN_TIMEOUT = "10s"
-    RateLimit.objects.set_policy("api", 10, timedelta(seconds=1))
+    edit.set_policy("api", 10, timedelta(seconds=1))
     ids = send_http(fake_api, "/ok", 60)
     procs.worker(procs.queue, concurrency=2)
     procs.worker(procs.queue, concurrency=1)
@@ -275,13 +275,13 @@ def test_duplicate_and_stale_messages_run_the_handler_at_most_once_per_attempt(p
 
 
 def test_lowering_a_limit_in_flight_binds_every_later_start(procs, fake_api):
-    RateLimit.objects.set_policy("api", 20, timedelta(seconds=1))
+    edit.set_policy("api", 20, timedelta(seconds=1))
     ids = send_http(fake_api, "/ok", 50)
     procs.worker(procs.queue, concurrency=2)
     procs.worker(procs.queue, concurrency=2)
     procs.dispenser()
     assert wait_until(lambda: statuses(ids).get("done", 0) >= 8, 60), procs.logs()
-    RateLimit.objects.set_policy("api", 2, timedelta(seconds=1))
+    edit.set_policy("api", 2, timedelta(seconds=1))
     changed_at = db_now().timestamp()
     assert wait_until(lambda: all_finished(ids), 120), (statuses(ids), procs.logs())
     assert statuses(ids) == {"done": 50}
@@ -295,12 +295,12 @@ def test_lowering_a_limit_in_flight_binds_every_later_start(procs, fake_api):
 
 
 def test_a_pause_added_in_flight_stops_every_start_until_it_ends(procs, fake_api):
-    RateLimit.objects.set_policy("api", 10, timedelta(seconds=1))
+    edit.set_policy("api", 10, timedelta(seconds=1))
     ids = send_http(fake_api, "/ok", 40)
     procs.worker(procs.queue, concurrency=2)
     procs.dispenser()
     assert wait_until(lambda: statuses(ids).get("done", 0) >= 5, 60), procs.logs()
-    until = RateLimit.objects.pause_key("api", timedelta(seconds=2)).timestamp()
+    until = edit.pause_key("api", timedelta(seconds=2)).timestamp()
     paused_at = db_now().timestamp()  # the pause is committed: every start from here on sees it
     assert wait_until(lambda: all_finished(ids), 120), (statuses(ids), procs.logs())
     assert statuses(ids) == {"done": 40}

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import CallQueue, LearntLimit, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, LearntLimit
 from support.fakeapi import FakeAPI
 from support.processes import wait_until
 
@@ -24,7 +25,7 @@ def allowance(times: list[float]) -> int:
 def test_a_policy_far_too_loose_learns_the_limit_the_api_announces(procs, announce):
     api = FakeAPI(enforce=(LIMIT, PERIOD), announce=announce).start()
     try:
-        RateLimit.objects.set_policy("partner", LIMIT * 100, timedelta(seconds=PERIOD))  # 100x too loose
+        edit.set_policy("partner", LIMIT * 100, timedelta(seconds=PERIOD))  # 100x too loose
         for n in range(CALLS):
             CallQueue.objects.send("http", {"method": "GET", "url": f"{api.url}/ok", "headers": {"x-call": str(n)}},
                                    keys=["partner"])

@@ -9,7 +9,8 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, KeyState
 from support.processes import wait_until
 from support.windows import max_in_window
 from tests.calls import all_finished, latency_spread, partner_call, start_times
@@ -58,8 +59,8 @@ class ConnectionSampler(threading.Thread):
 def test_a_threads_or_gevent_worker_runs_every_call_once_within_every_policy(
     procs, fake_api, pool, concurrency, per_message
 ):
-    RateLimit.objects.set_policy("partner", 12, timedelta(seconds=1), concurrency=5)
-    RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
+    edit.set_policy("partner", 12, timedelta(seconds=1), concurrency=5)
+    edit.set_policy("tenant:*", 5, timedelta(seconds=1))
     calls = [partner_call(fake_api, "/slow?delay=0.25", "ab"[i % 2], i) for i in range(CALLS)]
     sampler = ConnectionSampler(procs.env["DATABASE_URL"])
     sampler.start()

@@ -9,7 +9,8 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue
 from support.fakeapi import max_in_window
 from tests.calls import all_finished
 from tests.e2e.test_faults import terminate_other_backends
@@ -27,8 +28,8 @@ def _api_starts() -> list[float]:
 def test_soak_with_random_faults_loses_nothing_and_keeps_every_limit(procs, fake_api, settings):
     settings.DISPATCHER_DISPATCH_TIMEOUT = "3s"
     settings.DISPATCHER_RUN_TIMEOUT = "8s"
-    RateLimit.objects.set_policy("api", 40, timedelta(seconds=1))
-    RateLimit.objects.set_policy("tenant:*", 15, timedelta(seconds=1))
+    edit.set_policy("api", 40, timedelta(seconds=1))
+    edit.set_policy("tenant:*", 15, timedelta(seconds=1))
     specs = [
         {"method": "http", "params": {"method": "GET", "url": f"{fake_api.url}/ok", "headers": {"x-call": str(i)}},
          "keys": ["api", f"tenant:{i % 3}"], "max_attempts": 5}

@@ -8,7 +8,7 @@ from django.contrib.auth.models import Permission, User
 from django.test import Client
 
 from dispatcher.clock import db_now
-from dispatcher.limits import ledger
+from dispatcher.limits import edit, ledger
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
 from tests.claims import claim
 from tests.starts import log_starts
@@ -139,16 +139,16 @@ def test_detail_says_why_a_call_waits_and_until_when(operator, reason, make_call
         Attempt.objects.create(call=call, number=1, started_at=now, outcome="rate_limited")
         expected = ["deferred by a 429", "in 40 s"]
     elif reason == "paused":
-        RateLimit.objects.pause_key("api", timedelta(minutes=5), reason="maintenance")
+        edit.pause_key("api", timedelta(minutes=5), reason="maintenance")
         call = make_call()
         expected = ["key api is paused (maintenance) until 20", "UTC (in 5 min)"]
     elif reason == "rate":
-        RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+        edit.set_policy("api", 1, timedelta(minutes=1))
         log_starts("api", [now - timedelta(seconds=30)])
         call = make_call()
         expected = ["key api: 1 per 1m used", "Will start at 20", "UTC (in 30 s)"]
     else:
-        RateLimit.objects.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
+        edit.set_policy("api", 10, timedelta(seconds=1), concurrency=1)
         make_call(status="running")
         call = make_call()
         expected = ["concurrency 1/1", "until a call in flight finishes"]
@@ -251,15 +251,15 @@ def test_a_bucket_is_created_with_its_burst_and_listed_as_one(operator):
 
 
 def test_a_second_policy_with_the_same_key_and_period_is_refused(operator):
-    RateLimit.objects.set_policy("api", 5, timedelta(minutes=5))
+    edit.set_policy("api", 5, timedelta(minutes=5))
     response = operator.post(f"{LIMITS}add/", policy_form())
     assert response.status_code == 200 and "already exists" in response.content.decode()
     assert RateLimit.objects.get().limit == 5
 
 
 def test_policy_list_shows_live_usage(operator, make_call):
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
-    RateLimit.objects.set_policy("tenant:*", 4, timedelta(minutes=1))
+    edit.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
+    edit.set_policy("tenant:*", 4, timedelta(minutes=1))
     now = db_now()
     log_starts("api", [now - timedelta(seconds=s) for s in (50, 20, 10)])
     log_starts("tenant:9", [now - timedelta(seconds=5)])
@@ -274,9 +274,9 @@ def test_policy_list_shows_live_usage(operator, make_call):
 
 
 def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operator, make_call):
-    RateLimit.objects.set_policy("api", 100, timedelta(hours=1), concurrency=4)
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
-    RateLimit.objects.set_policy("smooth", 60, timedelta(minutes=1), burst=5)
+    edit.set_policy("api", 100, timedelta(hours=1), concurrency=4)
+    edit.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("smooth", 60, timedelta(minutes=1), burst=5)
     now = db_now()
     log_starts("api", [now - timedelta(minutes=m) for m in (30, 20, 10)] + [now - timedelta(seconds=s) for s in (40, 5)])
     # Two calls dispatched, not started: their units are promised and count as used.
@@ -302,9 +302,9 @@ def test_policy_list_shows_a_key_with_two_policies_once_with_each_policy(operato
 
 def test_policy_list_says_who_paused_a_key(operator):
 
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
-    RateLimit.objects.set_policy("crm", 3, timedelta(minutes=1))
-    RateLimit.objects.pause_key("api", timedelta(minutes=5))
+    edit.set_policy("api", 3, timedelta(minutes=1))
+    edit.set_policy("crm", 3, timedelta(minutes=1))
+    edit.pause_key("api", timedelta(minutes=5))
     ledger.pause(["crm"], db_now() + timedelta(minutes=2), reason="429 from call #7")
     rows = {cells[0]: cells for cells in _rows(operator.get(LIMITS).content.decode())}
     assert rows["api"][5].endswith("(in 5 min), by operator")
@@ -315,7 +315,7 @@ def test_policy_list_says_who_paused_a_key(operator):
 def test_policy_list_next_free_slot_is_plain_now_when_a_dispenser_runs(operator):
     from dispatcher import liveness
 
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    edit.set_policy("api", 3, timedelta(minutes=1))
     liveness.beat(liveness.DISPENSER)
     rows = _rows(operator.get(LIMITS).content.decode())
     assert rows[0][6] == "now"
@@ -358,7 +358,7 @@ def _rows(page: str) -> list[list[str]]:
 
 
 def test_pause_and_resume_actions(operator):
-    policy = RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    policy = edit.set_policy("api", 3, timedelta(minutes=1))
     response = run_action(operator, LIMITS, "pause", [policy.id], duration="5m")
     assert "1 key paused until" in response.content.decode()
     state = KeyState.objects.get(key="api")
@@ -370,14 +370,14 @@ def test_pause_and_resume_actions(operator):
 
 @pytest.mark.parametrize("duration", ["", "soon", "0s"])
 def test_pause_with_a_bad_duration_pauses_nothing(operator, duration):
-    policy = RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    policy = edit.set_policy("api", 3, timedelta(minutes=1))
     response = run_action(operator, LIMITS, "pause", [policy.id], duration=duration)
     assert "Pause not applied" in response.content.decode()
     assert not KeyState.objects.filter(paused_until__isnull=False).exists()
 
 
 def test_viewer_cannot_edit_or_pause_policies(viewer):
-    policy = RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    policy = edit.set_policy("api", 3, timedelta(minutes=1))
     assert viewer.post(f"{LIMITS}{policy.id}/change/", policy_form(limit="99")).status_code == 403
     run_action(viewer, LIMITS, "pause", [policy.id], duration="5m")
     assert RateLimit.objects.get().limit == 3
@@ -388,7 +388,7 @@ def test_viewer_cannot_edit_or_pause_policies(viewer):
 
 
 def test_dashboard_charts_starts_per_minute_against_the_limit(viewer, make_call):
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("api", 10, timedelta(minutes=1))
     now = db_now()
     # Seven starts inside one minute, two minutes ago (not straddling a minute's edge).
     minute = now.replace(second=30, microsecond=0) - timedelta(minutes=2)
@@ -421,9 +421,9 @@ def test_dashboard_draws_each_policy_against_the_use_it_constrains(viewer, make_
     from dispatcher.models import LearntLimit
 
     # 100 per hour plus 10 per minute, kept: 9 starts in each of 10 minutes of the last hour.
-    RateLimit.objects.set_policy("api", 100, timedelta(hours=1))
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
-    RateLimit.objects.set_policy("shop", 60, timedelta(minutes=1), burst=5)
+    edit.set_policy("api", 100, timedelta(hours=1))
+    edit.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("shop", 60, timedelta(minutes=1), burst=5)
     now = db_now()
     LearntLimit.objects.create(key="crm", limit=50, period=timedelta(hours=1), expires_at=now + timedelta(hours=1),
                                source="ietf", observed_at=now)
@@ -471,7 +471,7 @@ def test_staff_without_permissions_is_refused(url):
 
 def test_view_only_staff_can_read_calls_and_limits(viewer, make_call):
     call = make_call()
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    edit.set_policy("api", 3, timedelta(minutes=1))
     assert viewer.get(CALLS).status_code == 200
     assert viewer.get(f"{CALLS}{call.id}/change/").status_code == 200
     assert viewer.get(LIMITS).status_code == 200
@@ -491,7 +491,7 @@ def test_dashboard_splits_bars_into_done_error_and_429(viewer, make_call):
 
 
 def test_dashboard_puts_blocked_keys_first_then_the_busiest(viewer, make_call):
-    RateLimit.objects.set_policy("full", 1, timedelta(hours=1))
+    edit.set_policy("full", 1, timedelta(hours=1))
     log_starts("full", [db_now()])
     for _ in range(3):
         make_call(keys=["busy"])
@@ -533,7 +533,7 @@ def test_admin_index_links_the_dashboard(viewer):
 
 
 def test_next_try_shows_when_a_limit_lets_the_call_start(operator, make_call):
-    RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
+    edit.set_policy("api", 1, timedelta(hours=1))
     log_starts("api", [db_now() - timedelta(minutes=1)])
     make_call()
     row = operator.get(CALLS).content.decode()
@@ -599,7 +599,7 @@ def test_call_page_buttons_need_the_change_permission(viewer, make_call):
 
 
 def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator, make_call):
-    RateLimit.objects.set_policy("api", 1, timedelta(hours=1))
+    edit.set_policy("api", 1, timedelta(hours=1))
     log_starts("api", [db_now() - timedelta(minutes=30)])
     call = make_call(run_at=db_now() + timedelta(minutes=5))
     text = run_action(operator, CALLS, "retry_now", [call.id]).content.decode()
@@ -611,7 +611,7 @@ def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator, make_
 def test_policy_page_pause_and_resume_buttons_leave_history(operator):
     from django.contrib.admin.models import LogEntry
 
-    policy = RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    policy = edit.set_policy("api", 5, timedelta(minutes=1))
     page = operator.get(f"{LIMITS}{policy.id}/change/").content.decode()
     assert 'id="policy-pause"' in page and 'id="policy-resume"' in page
     assert "2 min" not in operator.post(f"{LIMITS}{policy.id}/pause/", {"duration": "soon"}, follow=True).content.decode()
@@ -644,7 +644,7 @@ def test_attempt_history_tells_429_deferrals_from_counted_attempts(operator, mak
 
 
 def test_paused_wording_does_not_repeat_itself(operator, make_call):
-    RateLimit.objects.pause_key("api", timedelta(minutes=2))
+    edit.pause_key("api", timedelta(minutes=2))
     page = operator.get(f"{CALLS}{make_call().id}/change/").content.decode()
     assert "key api is paused by operator until 20" in page and "(paused by operator)" not in page
     assert "until in" not in page

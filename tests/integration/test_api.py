@@ -6,6 +6,7 @@ import json
 import pytest
 from django.contrib.auth.models import Permission, User
 
+from dispatcher.limits import edit
 from dispatcher.models import CallQueue
 
 pytestmark = pytest.mark.django_db
@@ -99,9 +100,8 @@ def test_the_example_view_sends_a_call_like_an_apps_own_view(client):
 def test_a_waiting_calls_status_says_when_it_will_start_counting_the_calls_ahead(client):
     from datetime import timedelta
 
-    from dispatcher.models import RateLimit
 
-    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1))
+    edit.set_policy("greeter", 1, timedelta(minutes=1))
     ids = [post(client, {"method": "greet", "params": {"name": "ada"}}).json()["id"] for _ in range(3)]
     waiting = client.get(f"/api/calls/{ids[2]}/", HTTP_AUTHORIZATION=f"Bearer {TOKEN}").json()["waiting"]
     expected = waiting["expected"]

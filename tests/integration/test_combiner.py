@@ -10,7 +10,8 @@ import pytest
 from django.db import connections, transaction
 
 from dispatcher.combiner import StartCombiner
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, KeyState, StartLog
 from tests.integration.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -75,7 +76,7 @@ def _wait(condition, seconds: float = 10.0) -> None:
 def test_threads_waiting_on_a_busy_key_start_as_one_group_exactly_within_the_limit():
     deliveries = _claimed(12)
     # Set while the messages waited in the broker: only seven of the twelve fit.
-    RateLimit.objects.set_policy("api", 7, timedelta(minutes=1))
+    edit.set_policy("api", 7, timedelta(minutes=1))
     combiner = Recording()
     # Hold the key's row from another connection: the first thread's start waits on it, and
     # the other eleven queue behind that thread meanwhile.

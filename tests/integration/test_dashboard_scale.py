@@ -10,7 +10,8 @@ from django.contrib.auth.models import User
 from django.test import Client
 
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue
 from tests.starts import log_starts
 
 pytestmark = [pytest.mark.django_db, pytest.mark.postgres, pytest.mark.slow]
@@ -22,8 +23,8 @@ CALLS = 3000
 def populate(keys: int = KEYS, calls: int = CALLS) -> None:
     """Tenants under one pattern policy, a third of them busy; a history of starts and outcomes."""
     rng = random.Random(7)
-    RateLimit.objects.set_policy("tenant:*", 100, timedelta(hours=1))
-    RateLimit.objects.set_policy("tenant:*", 10, timedelta(minutes=1))
+    edit.set_policy("tenant:*", 100, timedelta(hours=1))
+    edit.set_policy("tenant:*", 10, timedelta(minutes=1))
     now = db_now()
     rows = []
     for i in range(calls):

@@ -12,7 +12,8 @@ from django.core.management import CommandError, call_command
 from django.db import connections
 
 from dispatcher.dispenser import Dispenser
-from dispatcher.models import CallQueue, FairShare, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, FairShare, KeyState
 from dispatcher.worker import execute
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -33,8 +34,8 @@ def _claimed_by_tenant() -> Counter[str]:
 
 
 def test_tenants_that_sent_last_get_the_same_share_of_the_shared_key_as_those_that_sent_first():
-    RateLimit.objects.set_policy("mail", 8, timedelta(minutes=1))
-    RateLimit.objects.set_policy("mail:*", 2, timedelta(minutes=1))
+    edit.set_policy("mail", 8, timedelta(minutes=1))
+    edit.set_policy("mail:*", 2, timedelta(minutes=1))
     _send_in_tenant_order(5)
 
     Dispenser().run_once()
@@ -45,7 +46,7 @@ def test_tenants_that_sent_last_get_the_same_share_of_the_shared_key_as_those_th
 def test_turns_are_kept_across_passes_and_dispensers():
     # The shared key runs three calls at a time; eight tenants queue three calls each; every pass
     # is a new dispenser, and the claimed calls run to the end before the next pass.
-    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    edit.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
     _send_in_tenant_order(3)
     served_after: list[int] = []
     for _ in range(TENANTS):
@@ -63,8 +64,8 @@ def test_turns_are_kept_across_passes_and_dispensers():
 
 @pytest.mark.postgres
 def test_several_dispensers_at_once_give_every_tenant_a_turn_in_the_first_window():
-    RateLimit.objects.set_policy("mail", 8, timedelta(minutes=1))
-    RateLimit.objects.set_policy("mail:*", 2, timedelta(minutes=1))
+    edit.set_policy("mail", 8, timedelta(minutes=1))
+    edit.set_policy("mail:*", 2, timedelta(minutes=1))
     _send_in_tenant_order(5)
     barrier = threading.Barrier(3)
 
@@ -84,7 +85,7 @@ def test_several_dispensers_at_once_give_every_tenant_a_turn_in_the_first_window
 
 
 def test_dispatcher_status_shows_each_tenants_share_of_the_shared_key_and_its_oldest_wait():
-    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    edit.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
     _send_in_tenant_order(3)
     for _ in range(2):
         Dispenser().run_once()
@@ -102,7 +103,7 @@ def test_dispatcher_status_shows_each_tenants_share_of_the_shared_key_and_its_ol
 
 
 def test_a_tenant_with_weight_two_gets_twice_the_shared_key():
-    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    edit.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
     out = io.StringIO()
     call_command("ratelimit", "weight", "mail:t1", "2", stdout=out)
     assert out.getvalue().strip() == "weight of mail:t1: 2"
@@ -124,7 +125,7 @@ def test_a_weight_is_refused_out_of_range_and_changes_nothing():
 
 
 def test_the_dashboard_shows_each_tenants_share_of_the_shared_key(admin_client):
-    RateLimit.objects.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
+    edit.set_policy("mail", 1000, timedelta(minutes=1), concurrency=3)
     _send_in_tenant_order(3)
     Dispenser().run_once()
     for call in CallQueue.objects.filter(status=CallQueue.Status.DISPATCHED):

@@ -14,7 +14,7 @@ from django.db import connection, connections, transaction
 from django.test.utils import CaptureQueriesContext
 
 from dispatcher.calls import start
-from dispatcher.limits import gate
+from dispatcher.limits import edit, gate
 from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
 from tests.integration.test_lifecycle import claim_all
 
@@ -59,7 +59,7 @@ def _idle() -> bool:
 
 
 def test_a_start_is_four_round_trips_and_is_committed_when_it_returns():
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     first, call = _claimed(2)
     # The first start of a process also reads the policies it then keeps.
     assert CallQueue.objects.start(first.id, first.dispatch_no, worker="w").state == "started"
@@ -78,11 +78,11 @@ def test_a_start_is_four_round_trips_and_is_committed_when_it_returns():
 
 
 def test_a_deferred_start_is_committed_without_a_mark():
-    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    edit.set_policy("api", 2, timedelta(minutes=1))
     first, second = _claimed(2)
     # Tightened while the messages waited in the broker: only one fits now.
     RateLimit.objects.filter(key="api").delete()
-    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    edit.set_policy("api", 1, timedelta(minutes=1))
     assert CallQueue.objects.start(first.id, first.dispatch_no).state == "started"
     assert CallQueue.objects.start(second.id, second.dispatch_no).state == "deferred"
     assert _idle()
@@ -92,7 +92,7 @@ def test_a_deferred_start_is_committed_without_a_mark():
 
 
 def test_a_start_that_fails_inside_leaves_nothing_written_and_no_lock_held(monkeypatch):
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     (call,) = _claimed(1)
 
     def broken(*args, **kwargs):
@@ -111,7 +111,7 @@ def test_a_start_that_fails_inside_leaves_nothing_written_and_no_lock_held(monke
 
 
 def test_a_failed_statement_inside_is_rolled_back(monkeypatch):
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     (call,) = _claimed(1)
     real = gate.assess
 
@@ -130,7 +130,7 @@ def test_a_failed_statement_inside_is_rolled_back(monkeypatch):
 
 
 def test_a_key_row_gone_since_the_claim_is_created_in_djangos_transaction():
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     (call,) = _claimed(1)
     KeyState.objects.filter(key="api").delete()
     assert CallQueue.objects.start(call.id, call.dispatch_no).state == "started"
@@ -140,7 +140,7 @@ def test_a_key_row_gone_since_the_claim_is_created_in_djangos_transaction():
 
 
 def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     (call,) = _claimed(1)
 
     class Undo(Exception):
@@ -154,7 +154,7 @@ def test_inside_the_callers_atomic_block_a_start_is_part_of_it():
 
 
 def test_a_group_whose_call_was_started_elsewhere_writes_nothing_and_each_starts_alone(monkeypatch):
-    RateLimit.objects.set_policy("api", 100, timedelta(minutes=1))
+    edit.set_policy("api", 100, timedelta(minutes=1))
     calls = _claimed(3)
     deliveries = [(c.id, c.dispatch_no) for c in calls]
     # A duplicate delivery starts the middle call after the group read its heads and before its

@@ -290,6 +290,21 @@ def test_rows_stored_out_of_range_do_not_stop_rescue_dispense_admin_status_or_pr
 
 
 @pytest.mark.postgres
+def test_a_value_stored_out_of_range_is_logged_once_not_at_every_read(caplog):
+    from dispatcher.dispenser import Dispenser
+
+    far = CallQueue.objects.send("noop", {}, keys=["a"])
+    stored = "10002-03-04 05:06:07+00"  # a value no other test logged in this process
+    store_out_of_range(far.id, run_at=stored)
+    with caplog.at_level("WARNING", logger="dispatcher"):
+        for _ in range(3):
+            Dispenser().run_once()
+            CallQueue.objects.get(id=far.id)
+    logged = [r for r in caplog.records if r.getMessage().startswith("timestamp_out_of_range") and stored in r.getMessage()]
+    assert len(logged) == 1
+
+
+@pytest.mark.postgres
 @pytest.mark.slow
 def test_a_real_worker_runs_a_call_stored_in_year_1_bc_and_one_with_a_result_too_deep(procs):
     bad = CallQueue.objects.send("noop", {}, keys=["k"])

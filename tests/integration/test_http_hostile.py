@@ -15,7 +15,8 @@ import pytest
 from dispatcher import PermanentError
 from dispatcher.exceptions import InvalidParams
 from dispatcher.handlers import RetryableHTTPError, http, validate_http
-from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, KeyState, LearntLimit
 from support.fakeapi import answer
 
 pytestmark = pytest.mark.django_db
@@ -335,7 +336,7 @@ def test_a_learnt_limit_never_loosens_a_configured_policy(settings):
     from dispatcher.learning import report_rate_limit
     from dispatcher.limits.catalog import Policies
 
-    RateLimit.objects.set_policy("partner", 10, timedelta(seconds=1))
+    edit.set_policy("partner", 10, timedelta(seconds=1))
     report_rate_limit(limit=1000, window=1, remaining=900, reset=1, key="partner")
     report_rate_limit(limit=1, window=10**9, retry_after=10**9, key="partner")
     policies = Policies.load().for_key("partner")

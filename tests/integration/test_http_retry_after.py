@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 
+from dispatcher.limits import edit
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from dispatcher.worker import execute
 from support.fakeapi import FakeAPI
@@ -37,7 +38,7 @@ def send(api: FakeAPI, n: int, key: str = "partner") -> None:
 
 
 def test_the_calls_admitted_before_the_429_and_the_reset_become_a_learnt_window(api):
-    RateLimit.objects.set_policy("partner", 300, timedelta(seconds=60))  # 100x too loose
+    edit.set_policy("partner", 300, timedelta(seconds=60))  # 100x too loose
     send(api, 5)
     assert run_next(5) == ["done", "done", "done", "rate_limited", "deferred"]  # the 5th waits behind the pause
     (learnt,) = LearntLimit.objects.filter(key="partner")
@@ -52,8 +53,9 @@ def test_the_calls_admitted_before_the_429_and_the_reset_become_a_learnt_window(
 
 def test_the_others_refused_in_the_same_window_teach_nothing_more(api):
     from dispatcher.clock import db_now
-    from dispatcher.learning import infer_from_retry_after, running_call
+    from dispatcher.learning import infer_from_retry_after
     from dispatcher.models import Attempt
+    from dispatcher.running import running
 
     send(api, 4)
     assert run_next(4) == ["done", "done", "done", "rate_limited"]
@@ -61,14 +63,14 @@ def test_the_others_refused_in_the_same_window_teach_nothing_more(api):
     refused = Attempt.objects.get(outcome="rate_limited")
     assert first[3] == refused.started_at  # the start of the call whose refusal taught it
     # Another call refused in flight: it started after the teacher, before the lesson was drawn.
-    with running_call(["partner"], refused.started_at + timedelta(microseconds=1)):
+    with running(keys=["partner"], started_at=refused.started_at + timedelta(microseconds=1)):
         infer_from_retry_after(30.0)
     # And one that started later, with no call admitted since the lesson.
-    with running_call(["partner"], db_now()):
+    with running(keys=["partner"], started_at=db_now()):
         infer_from_retry_after(30.0)
     assert list(LearntLimit.objects.filter(key="partner").values_list("pk", "limit", "period", "observed_at")) == [first]
     # One refused in flight that started before the teacher was counted as admitted: taken back.
-    with running_call(["partner"], refused.started_at - timedelta(milliseconds=1)):
+    with running(keys=["partner"], started_at=refused.started_at - timedelta(milliseconds=1)):
         infer_from_retry_after(30.0)
     assert LearntLimit.objects.get(pk=first[0]).limit == first[1] - 1
 
@@ -97,7 +99,7 @@ def test_r_remaining_caps_the_starts_before_the_reset_at_r_less_the_calls_in_fli
     try:
         for _ in range(4):  # another client of the same account
             assert httpx.get(f"{api.url}/ok").status_code == 200
-        RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=60))  # far too loose
+        edit.set_policy("partner", 1000, timedelta(seconds=60))  # far too loose
         send(api, 10)
         key_set = CallQueue.objects.first().key_set
         first, second, answered = claim(key_set, 3).calls
@@ -121,7 +123,7 @@ def test_r_remaining_with_nothing_in_flight_caps_at_r():
     try:
         for _ in range(6):
             assert httpx.get(f"{api.url}/ok").status_code == 200
-        RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=60))
+        edit.set_policy("partner", 1000, timedelta(seconds=60))
         send(api, 10)
         assert run_next(1) == ["done"]  # 3 remain
         key_set = CallQueue.objects.filter(status="pending").first().key_set

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from dispatcher import learning, ratelimit_headers
 from dispatcher.dispenser import Dispenser
 from dispatcher.handlers import http
-from dispatcher.models import CallQueue, LearntLimit, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, LearntLimit
+from dispatcher.running import running
 from support.fakeapi import answer
 from tests.hostile_corpus import HEADERS
 from tests.integration.test_http_hostile import Server
@@ -31,13 +33,13 @@ def policy_answer(rng: random.Random, members: int = 4, remaining: bool = False)
 
 
 def teach(headers: httpx.Headers, keys: list[str]) -> None:
-    with learning.running_call(keys):
+    with running(keys=keys):
         learning.apply(ratelimit_headers.parse(headers, 200, time.time()))
 
 
 def test_ten_thousand_fresh_windows_leave_a_bounded_number_of_rows(make_call):
     rng = random.Random(24)
-    RateLimit.objects.set_policy("other", 100, timedelta(seconds=1))
+    edit.set_policy("other", 100, timedelta(seconds=1))
     for _ in range(10_000):
         teach(policy_answer(rng), ["flood"])
     assert LearntLimit.objects.filter(key="flood").count() <= BOUND
@@ -89,7 +91,7 @@ def test_answers_through_the_http_handler_leave_a_bounded_number_of_rows(serve_p
     for n in range(150):
         if n % 10 == 0:
             learning._new_lessons.clear()
-        with learning.running_call(["partner"]):
+        with running(keys=["partner"]):
             assert http(method="GET", url=f"{server.url}/")["status"] == 200
     assert LearntLimit.objects.filter(key="partner").count() <= BOUND
     assert len(server.seen) == 150

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from dispatcher import learning, ratelimit_headers
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
+from dispatcher.limits import edit
 from dispatcher.models import KeyState, LearntLimit, RateLimit
+from dispatcher.running import running
 from tests.unit.test_ratelimit_headers import header_values, names
 
 pytestmark = pytest.mark.django_db
@@ -23,12 +25,12 @@ pytestmark = pytest.mark.django_db
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(names, header_values), max_size=8), st.sampled_from([200, 429, 503]))
 def test_hostile_headers_never_pause_beyond_the_bound_nor_loosen_a_policy(fields, status):
-    RateLimit.objects.set_policy("partner", 5, timedelta(seconds=10))
+    edit.set_policy("partner", 5, timedelta(seconds=10))
     raw = httpx.Headers([(name, value.encode("utf-8", "replace").decode("ascii", "replace").replace("\ufffd", "?")
                           .replace("\r", "").replace("\n", "")) for name, value in fields])
     found = ratelimit_headers.parse(raw, status, time.time())
     before = db_now()
-    with learning.running_call(["partner"], before - timedelta(seconds=1)):
+    with running(keys=["partner"], started_at=before - timedelta(seconds=1)):
         learning.apply(found)
         if status == 429:
             learning.infer_from_retry_after(found.retry_after, found.text)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dispatcher.limits import edit
 from dispatcher.limits.guard import (
     MEMORY_MAX,
     MEMORY_MIN,
@@ -214,13 +215,13 @@ def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_w
     the send from the clock read after it, which the start is judged and recorded on (or later)."""
     from dispatcher import arrivals
     from dispatcher.calls import start
-    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.models import CallQueue
     from tests.integration.test_lifecycle import claim_all
 
-    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    edit.set_policy("api", 2, timedelta(minutes=1))
     calls = [CallQueue.objects.send("noop", {}, keys=["api"]) for _ in range(2)]
     first, second = sorted(claim_all(calls[0].key_set, 2).calls, key=lambda c: c.id)
-    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    edit.set_policy("api", 1, timedelta(minutes=1))
     assert CallQueue.objects.start(first.id, first.dispatch_no, "w").state == "started"
     events: list[str] = []
     real_mark = arrivals.mark_clock
@@ -238,11 +239,11 @@ def test_calls_of_one_message_keep_their_send_delay_for_the_arrival_guard():
     """DISPATCHER_CALLS_PER_MESSAGE > 1: each handler thread of a message measures its own send
     from the group's start clock, and the keys learn it, as a call alone does (without it, a
     worker running messages of 8 calls under -P threads overflowed a binding window at the API)."""
-    from dispatcher.models import CallQueue, KeyState, RateLimit
+    from dispatcher.models import CallQueue, KeyState
     from dispatcher.worker import execute_many
     from tests.integration.test_lifecycle import claim_all
 
-    RateLimit.objects.set_policy("late", 100, timedelta(minutes=1))
+    edit.set_policy("late", 100, timedelta(minutes=1))
     calls = [CallQueue.objects.send("late_send", {"delay": 0.06}, keys=["late"]) for _ in range(3)]
     claimed = claim_all(calls[0].key_set, 3).calls
     assert execute_many([(c.id, c.dispatch_no) for c in claimed]) == {"done": 3}
@@ -257,11 +258,11 @@ def test_a_message_keeps_its_calls_send_delays_without_opening_database_sessions
     (one per six calls at 8 per message under -P threads)."""
     from django.db.backends.signals import connection_created
 
-    from dispatcher.models import CallQueue, KeyState, RateLimit
+    from dispatcher.models import CallQueue, KeyState
     from dispatcher.worker import execute_many
     from tests.integration.test_lifecycle import claim_all
 
-    RateLimit.objects.set_policy("late:*", 100, timedelta(minutes=1))
+    edit.set_policy("late:*", 100, timedelta(minutes=1))
     # Four keys never measured: every call's delay is its key's first, so each is written.
     calls = [CallQueue.objects.send("late_send", {"delay": 0.02}, keys=[f"late:{i}"]) for i in range(4)]
     claimed = [c for call in calls for c in claim_all(call.key_set, 1).calls]

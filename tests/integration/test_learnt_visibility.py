@@ -8,7 +8,8 @@ import pytest
 from django.contrib.auth.models import User
 
 from dispatcher import report_rate_limit
-from dispatcher.models import CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue
 from dispatcher.status import key_statuses
 from dispatcher.waits import explain_call
 from tests.integration.test_metrics import samples
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def learnt_and_full():
     from dispatcher.clock import db_now
 
-    RateLimit.objects.set_policy("partner", 1000, timedelta(seconds=2))
+    edit.set_policy("partner", 1000, timedelta(seconds=2))
     report_rate_limit(limit=2, window=60, remaining=5, reset=30, key="partner")
     now = db_now()
     log_starts("partner", [now - timedelta(seconds=1)] * 2)

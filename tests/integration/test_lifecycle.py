@@ -5,7 +5,8 @@ from datetime import timedelta
 
 import pytest
 
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit, StartLog
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, KeyState, StartLog
 from dispatcher.worker import execute
 from tests.claims import claim
 
@@ -23,7 +24,7 @@ def claim_one(call: CallQueue):
 
 
 def test_claim_respects_the_rate_limit_and_orders_by_priority_then_age():
-    RateLimit.objects.set_policy("greeter", 2, timedelta(minutes=1))
+    edit.set_policy("greeter", 2, timedelta(minutes=1))
     low = CallQueue.objects.send("greet", {"name": "x"}, priority=0)
     high = CallQueue.objects.send("greet", {"name": "x"}, priority=9)
     older = CallQueue.objects.send("greet", {"name": "x"}, priority=0)
@@ -36,7 +37,7 @@ def test_claim_respects_the_rate_limit_and_orders_by_priority_then_age():
 
 
 def test_dispatched_calls_count_against_the_window_until_they_start():
-    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1))
+    edit.set_policy("greeter", 1, timedelta(minutes=1))
     first = CallQueue.objects.send("greet", {"name": "a"})
     CallQueue.objects.send("greet", {"name": "b"})
     claimed = claim_one(first)
@@ -48,7 +49,7 @@ def test_dispatched_calls_count_against_the_window_until_they_start():
 
 
 def test_concurrency_cap_counts_dispatched_and_running_calls():
-    RateLimit.objects.set_policy("greeter", 100, timedelta(seconds=1), concurrency=1)
+    edit.set_policy("greeter", 100, timedelta(seconds=1), concurrency=1)
     a = CallQueue.objects.send("greet", {"name": "a"})
     b = CallQueue.objects.send("greet", {"name": "b"})
     claim_one(a)
@@ -56,7 +57,7 @@ def test_concurrency_cap_counts_dispatched_and_running_calls():
 
 
 def test_pattern_gives_each_tenant_its_own_limit():
-    RateLimit.objects.set_policy("greeter:*", 1, timedelta(minutes=1))
+    edit.set_policy("greeter:*", 1, timedelta(minutes=1))
     a1 = CallQueue.objects.send("greet", {"name": "a"})
     CallQueue.objects.send("greet", {"name": "a"})
     b1 = CallQueue.objects.send("greet", {"name": "b"})
@@ -65,18 +66,18 @@ def test_pattern_gives_each_tenant_its_own_limit():
 
 
 def test_every_policy_of_a_key_must_have_room():
-    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1))
-    RateLimit.objects.set_policy("greeter", 3, timedelta(hours=1))
+    edit.set_policy("greeter", 10, timedelta(seconds=1))
+    edit.set_policy("greeter", 3, timedelta(hours=1))
     calls = [CallQueue.objects.send("greet", {"name": "a"}) for _ in range(5)]
     assert len(claim_all(calls[0].key_set).calls) == 3
 
 
 def test_paused_key_admits_nothing_until_resumed():
     call = CallQueue.objects.send("greet", {"name": "a"})
-    RateLimit.objects.pause_key("greeter", timedelta(minutes=5))
+    edit.pause_key("greeter", timedelta(minutes=5))
     verdict = claim_all(call.key_set).verdict
     assert verdict.blocked and verdict.reason == "paused"
-    RateLimit.objects.resume_key("greeter")
+    edit.resume_key("greeter")
     assert len(claim_all(call.key_set).calls) == 1
 
 
@@ -132,7 +133,7 @@ def test_start_rechecks_the_window_when_a_policy_tightened_after_dispatch():
     a = CallQueue.objects.send("greet", {"name": "a"})
     b = CallQueue.objects.send("greet", {"name": "b"})
     ca, cb = claim_one(a), claim_one(b)
-    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1))
+    edit.set_policy("greeter", 1, timedelta(minutes=1))
     assert execute(ca.id, ca.dispatch_no) == "done"
     assert execute(cb.id, cb.dispatch_no) == "deferred"
     deferred = CallQueue.objects.get(pk=b.pk)

@@ -15,6 +15,7 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatcher import liveness, waits
 from dispatcher.clock import db_now
+from dispatcher.limits import edit
 from dispatcher.models import Heartbeat
 from support.processes import wait_until
 
@@ -142,9 +143,8 @@ def test_the_calls_list_warns_only_when_something_is_missing(admin_client):
 
 
 def test_a_free_slot_says_nothing_will_use_it_while_no_dispenser_runs(admin_client, make_call):
-    from dispatcher.models import RateLimit
 
-    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    edit.set_policy("api", 5, timedelta(minutes=1))
     make_call()
     assert "now, but no dispenser runs" in admin_client.get("/admin/dispatcher/dashboard/").content.decode()
     out = StringIO()

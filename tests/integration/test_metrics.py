@@ -7,7 +7,8 @@ import pytest
 from django.contrib.auth.models import Permission, User
 from prometheus_client.parser import text_string_to_metric_families
 
-from dispatcher.models import CallQueue, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue
 from dispatcher.worker import execute
 from tests.claims import claim
 
@@ -24,7 +25,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 
 def test_metrics_report_calls_starts_and_limiter_use(client, settings):
     settings.DISPATCHER_METRICS_TOKENS = "m-token"
-    RateLimit.objects.set_policy("greeter", 4, timedelta(minutes=1))
+    edit.set_policy("greeter", 4, timedelta(minutes=1))
     done = CallQueue.objects.send("greet", {"name": "a"})
     failed = CallQueue.objects.send("explode", {"permanent": True})
     CallQueue.objects.send("greet", {"name": "b"})

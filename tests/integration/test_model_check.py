@@ -22,7 +22,7 @@ import dispatcher.limits.catalog
 import dispatcher.limits.gate
 import dispatcher.retry
 from dispatcher import CostNeverFits
-from dispatcher.limits import catalog, gate
+from dispatcher.limits import catalog, edit, gate
 from dispatcher.limits.shapes import TokenBucket
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.claims import claim
@@ -87,9 +87,9 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         @initialize()
         def some_policies(self) -> None:
-            RateLimit.objects.set_policy("a", 3, timedelta(seconds=2), concurrency=2)
-            RateLimit.objects.set_policy("p:*", 2, timedelta(seconds=1))
-            RateLimit.objects.set_policy("b", 2, timedelta(seconds=2), burst=3)
+            edit.set_policy("a", 3, timedelta(seconds=2), concurrency=2)
+            edit.set_policy("p:*", 2, timedelta(seconds=1))
+            edit.set_policy("b", 2, timedelta(seconds=2), burst=3)
 
         # --- actions -------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
               period=st.sampled_from(PERIODS), concurrency=st.sampled_from([None, 1, 2, 3]),
               burst=st.sampled_from([None, None, 1, 2, 4]))
         def set_policy(self, key: str, limit: int, period: int, concurrency: int | None, burst: int | None) -> None:
-            RateLimit.objects.set_policy(key, limit, timedelta(seconds=period), concurrency, burst=burst)
+            edit.set_policy(key, limit, timedelta(seconds=period), concurrency, burst=burst)
             self.edited_at = {k: len(starts) for k, starts in self.starts.items()}
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:1"]))
@@ -214,11 +214,11 @@ def make_machine(clock: Clock) -> type[RuleBasedStateMachine]:
 
         @rule(key=st.sampled_from(["a", "b", "p:*", "p:2"]), seconds=st.sampled_from([1, 3]))
         def pause(self, key: str, seconds: int) -> None:
-            RateLimit.objects.pause_key(key, timedelta(seconds=seconds))
+            edit.pause_key(key, timedelta(seconds=seconds))
 
         @rule(key=st.sampled_from(["a", "b", "p:*"]))
         def resume(self, key: str) -> None:
-            RateLimit.objects.resume_key(key)
+            edit.resume_key(key)
 
         @rule(index=st.integers(0, 50))
         def cancel(self, index: int) -> None:

@@ -21,7 +21,7 @@ import dispatcher.retry
 import dispatcher.store.limit_sql
 import dispatcher.store.schema
 from dispatcher.calls import dispense, finish, send, start
-from dispatcher.limits import catalog
+from dispatcher.limits import catalog, edit
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.clocks import fake_db_clock
 
@@ -41,8 +41,8 @@ def fixed_clock(monkeypatch, settings):
 def _scenario() -> list[str]:
     """Send, claim, start and finish calls of a window key and a bucket key; return what each start said."""
     calls = CallQueue.objects
-    RateLimit.objects.set_policy("paths-window", 4, timedelta(minutes=1), concurrency=3)
-    RateLimit.objects.set_policy("paths-bucket", 3, timedelta(minutes=1), burst=3)
+    edit.set_policy("paths-window", 4, timedelta(minutes=1), concurrency=3)
+    edit.set_policy("paths-bucket", 3, timedelta(minutes=1), burst=3)
     due = NOW - timedelta(seconds=1)
     calls.send("noop", {"n": 1}, keys=["paths-window"], run_at=due)
     calls.send("noop", {"n": 2}, keys=["paths-bucket", "paths-window"], run_at=due, cost={"paths-bucket": 2})

@@ -7,7 +7,7 @@ import pytest
 from django.db import connection
 
 from dispatcher.clock import db_now
-from dispatcher.limits import catalog
+from dispatcher.limits import catalog, edit
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from tests.integration.test_lifecycle import claim_all
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.django_db
 
 def _two_claimed(limit: int = 2) -> list:
     """Two calls of key "api" claimed under a window of ``limit`` per minute."""
-    RateLimit.objects.set_policy("api", limit, timedelta(minutes=1))
+    edit.set_policy("api", limit, timedelta(minutes=1))
     calls = [CallQueue.objects.send("greet", {"name": "x"}, keys=["api"]) for _ in range(2)]
     claimed = claim_all(calls[0].key_set, 2).calls
     assert len(claimed) == 2
@@ -36,7 +36,7 @@ def _edit(name: str) -> None:
         # An edit that sends no signal and runs no manager code: only the database knows.
         "queryset update": lambda: RateLimit.objects.filter(key="api").update(limit=1),
         "policy deleted, a tighter one added": lambda: (
-            RateLimit.objects.filter(key="api").delete(), RateLimit.objects.set_policy("ap*", 1, timedelta(minutes=1))
+            RateLimit.objects.filter(key="api").delete(), edit.set_policy("ap*", 1, timedelta(minutes=1))
         ),
         "learnt limit": lambda: LearntLimit.objects.create(
             key="api", limit=1, period=timedelta(minutes=1), expires_at=now + timedelta(hours=1),

@@ -8,6 +8,7 @@ import pytest
 from django.core.management import call_command
 from django.db import connection
 
+from dispatcher.limits import edit
 from dispatcher.models import RateLimit
 from support.processes import database_url
 
@@ -34,17 +35,17 @@ def test_ratelimit_delete_wakes_the_dispensers_as_set_does(wake_listener):
 
 @pytest.mark.postgres
 def test_changing_a_policys_period_replaces_it_in_one_edit(wake_listener):
-    policy = RateLimit.objects.set_policy("edits", 1, timedelta(hours=1))
+    policy = edit.set_policy("edits", 1, timedelta(hours=1))
     wake_listener()
-    RateLimit.objects.set_policy("edits", 2, timedelta(minutes=1), replacing=policy.pk)
+    edit.set_policy("edits", 2, timedelta(minutes=1), replacing=policy.pk)
     # One transaction: the delete's and the set's wake-ups are delivered as one notification.
     assert wake_listener() == 1
     assert list(RateLimit.objects.filter(key="edits").values_list("limit", "period")) == [(2, timedelta(minutes=1))]
 
 
 def test_deleting_one_period_keeps_the_keys_other_policies():
-    RateLimit.objects.set_policy("edits", 1, timedelta(hours=1))
-    RateLimit.objects.set_policy("edits", 5, timedelta(minutes=1))
-    assert RateLimit.objects.delete_policies("edits", timedelta(hours=1)) == 1
-    assert RateLimit.objects.delete_policies("missing") == 0
+    edit.set_policy("edits", 1, timedelta(hours=1))
+    edit.set_policy("edits", 5, timedelta(minutes=1))
+    assert edit.delete_policies("edits", timedelta(hours=1)) == 1
+    assert edit.delete_policies("missing") == 0
     assert list(RateLimit.objects.values_list("period", flat=True)) == [timedelta(minutes=1)]

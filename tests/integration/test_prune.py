@@ -12,8 +12,8 @@ from django.core.management.base import CommandError
 from django.db import connection, connections
 
 from dispatcher.clock import db_now
-from dispatcher.limits import catalog
-from dispatcher.models import Attempt, CallQueue, RateLimit, StartLog
+from dispatcher.limits import catalog, edit
+from dispatcher.models import Attempt, CallQueue, StartLog
 from dispatcher.status import key_statuses
 from tests.claims import claim
 
@@ -83,7 +83,7 @@ def test_command_refuses_bad_arguments_and_deletes_nothing(args, message):
 
 
 def test_prune_keeps_what_a_limiter_window_still_needs():
-    RateLimit.objects.set_policy("api", 1000, timedelta(days=1))
+    edit.set_policy("api", 1000, timedelta(days=1))
     inside = make("done", timedelta(hours=2))
     outside = make("done", timedelta(days=2))
     now = db_now()

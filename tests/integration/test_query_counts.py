@@ -10,7 +10,8 @@ from django.test.utils import CaptureQueriesContext
 
 from dispatcher import dispenser as dispenser_module
 from dispatcher.dispenser import Dispenser
-from dispatcher.models import CallQueue, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, KeyState
 from dispatcher.worker import execute
 from tests.claims import claim
 
@@ -59,7 +60,7 @@ def published(monkeypatch):
 
 
 def _backlog(per_key_set: int, key_sets: int = KEY_SETS) -> None:
-    RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
     KeyState.objects.bulk_create([KeyState(key=f"bench:{i}") for i in range(key_sets)])
     CallQueue.objects.send_many(
         [{"method": "noop", "keys": [f"bench:{i % key_sets}"]} for i in range(per_key_set * key_sets)]
@@ -89,7 +90,7 @@ def test_on_postgresql_a_pass_costs_the_same_queries_however_many_key_sets_it_se
 
 
 def test_a_worker_run_of_one_call_costs_a_pinned_number_of_queries(published):
-    RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
     calls = [CallQueue.objects.send("noop", keys=["bench:0"]) for _ in range(2)]
     first, second = claim(calls[0].key_set, 2).calls
     # The first run reads the policies it then keeps (one query more on PostgreSQL) and writes
@@ -109,7 +110,7 @@ def test_a_worker_run_of_one_call_costs_a_pinned_number_of_queries(published):
 def test_a_message_of_ten_calls_costs_the_queries_of_fewer_than_one_call(published):
     from dispatcher.worker import execute_many
 
-    RateLimit.objects.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("bench:*", 1_000_000, timedelta(seconds=1))
     calls = [CallQueue.objects.send("noop", keys=[f"bench:{i % 2}"]) for i in range(12)]
     claimed = [c for key_set in {c.key_set for c in calls} for c in claim(key_set, 6).calls]
     assert execute(claimed[0].id, claimed[0].dispatch_no) == "done"  # keeps the policies, as a worker would

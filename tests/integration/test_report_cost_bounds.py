@@ -7,6 +7,7 @@ import pytest
 
 from dispatcher.clock import db_now, from_us
 from dispatcher.costs import MAX_UNITS, bounded_charge
+from dispatcher.limits import edit
 from dispatcher.models import CallQueue, KeyBucket, RateLimit
 from tests.integration.test_shapes import claim_all, run_all
 
@@ -21,7 +22,7 @@ def owed_for(key: str = "llm") -> timedelta:
 @pytest.mark.parametrize("used", [2**31 - 1, 10**6, 50])
 def test_a_huge_reported_cost_owes_at_most_one_refill(settings, used):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("llm", 2, timedelta(seconds=1), burst=4)
+    edit.set_policy("llm", 2, timedelta(seconds=1), burst=4)
     call = CallQueue.objects.send("complete", {"max_tokens": 1, "used": used})
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     # 4 tokens at 2 a second: the bucket owes at most two seconds, never decades.
@@ -30,7 +31,7 @@ def test_a_huge_reported_cost_owes_at_most_one_refill(settings, used):
 
 def test_a_reported_cost_on_a_ten_year_period_is_recorded_without_overflow(settings):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("llm", 2, timedelta(days=3650), burst=4)
+    edit.set_policy("llm", 2, timedelta(days=3650), burst=4)
     call = CallQueue.objects.send("complete", {"max_tokens": 1, "used": MAX_UNITS})
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     call.refresh_from_db()
@@ -40,10 +41,10 @@ def test_a_reported_cost_on_a_ten_year_period_is_recorded_without_overflow(setti
 
 def test_after_a_huge_report_an_edited_policy_lets_calls_start_soon(settings):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("llm", 2, timedelta(seconds=1), burst=4)
+    edit.set_policy("llm", 2, timedelta(seconds=1), burst=4)
     call = CallQueue.objects.send("complete", {"max_tokens": 1, "used": MAX_UNITS})
     run_all(claim_all(call.key_set).calls)
-    RateLimit.objects.set_policy("llm", 1000, timedelta(seconds=1), burst=4, replacing=RateLimit.objects.get(key="llm").pk)
+    edit.set_policy("llm", 1000, timedelta(seconds=1), burst=4, replacing=RateLimit.objects.get(key="llm").pk)
     assert owed_for() <= timedelta(seconds=2, milliseconds=500)
 
 

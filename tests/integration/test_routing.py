@@ -11,20 +11,19 @@ import pytest
 from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
-from dispatcher.limits import catalog, gate
-from dispatcher.models import CallQueue, RateLimit
+from dispatcher.limits import catalog, edit, gate
+from dispatcher.models import CallQueue
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=["default", "other"])
 
 
 def test_a_call_from_send_to_finish_runs_only_on_its_managers_alias():
     calls = CallQueue.objects.db_manager("other")
-    policies = RateLimit.objects.db_manager("other")
     with CaptureQueriesContext(connections["default"]) as on_default, CaptureQueriesContext(
         connections["other"]
     ) as on_other:
-        policies.set_policy("routed", 10, timedelta(seconds=60), concurrency=5)
-        policies.set_policy("routed-bucket", 10, timedelta(seconds=60), burst=2)
+        edit.set_policy("routed", 10, timedelta(seconds=60), concurrency=5, using="other")
+        edit.set_policy("routed-bucket", 10, timedelta(seconds=60), burst=2, using="other")
         first = calls.send("noop", keys=["routed", "routed-bucket"])
         calls.send_many([{"method": "noop", "keys": ["routed"]}, {"method": "noop", "keys": ["routed"], "cost": 2}])
         key_sets = calls.waiting_key_sets()
@@ -44,8 +43,8 @@ def test_a_call_from_send_to_finish_runs_only_on_its_managers_alias():
         calls.cancel([second])
         calls.rescue()
         calls.prune(timedelta(0))
-        policies.pause_key("routed", timedelta(seconds=5))
-        policies.resume_key("routed")
+        edit.pause_key("routed", timedelta(seconds=5), using="other")
+        edit.resume_key("routed", using="other")
     assert on_other.captured_queries
     assert [q["sql"] for q in on_default.captured_queries] == []
     assert gate.running_by_key(["routed"]) == {}

@@ -10,6 +10,7 @@ from django.core.management.base import CommandError
 
 from dispatcher import CostNeverFits, InvalidCost
 from dispatcher.clock import from_us, to_us
+from dispatcher.limits import edit
 from dispatcher.limits.catalog import Policies
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.status import key_statuses
@@ -64,7 +65,7 @@ def test_bad_bucket_policies_are_refused_and_nothing_is_stored(args, message):
 
 def test_rate_limits_setting_seeds_a_bucket(settings):
     settings.DISPATCHER_RATE_LIMITS = [{"key": "shop", "limit": 2, "period": "1s", "burst": 40}]
-    assert RateLimit.objects.seed_from_settings() == 1
+    assert edit.seed_from_settings() == 1
     assert RateLimit.objects.get(key="shop").burst == 40
 
 
@@ -73,7 +74,7 @@ def test_rate_limits_setting_seeds_a_bucket(settings):
 
 def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("greeter", 1, timedelta(minutes=1), burst=3)
+    edit.set_policy("greeter", 1, timedelta(minutes=1), burst=3)
     for _ in range(5):
         CallQueue.objects.send("greet", {"name": "ada"})
     first = claim_all(CallQueue.objects.first().key_set)
@@ -96,7 +97,7 @@ def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_star
 
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
     settings.DISPATCHER_ARRIVAL_GUARD_MAX = "5s"
-    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=10), burst=10)
+    edit.set_policy("greeter", 10, timedelta(seconds=10), burst=10)
     KeyState.objects.update_or_create(key="greeter", defaults={"send_delay_us": 2_500_000, "send_delay_since": db_now()})
     big = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 10})
     small = CallQueue.objects.send("greet", {"name": "ada"})
@@ -120,7 +121,7 @@ def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_star
 
 def test_a_pattern_bucket_gives_every_key_its_own_bucket(settings):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("greeter:*", 1, timedelta(minutes=1), burst=2)
+    edit.set_policy("greeter:*", 1, timedelta(minutes=1), burst=2)
     for name in ("ada", "ada", "ada", "bob", "bob"):
         CallQueue.objects.send("greet", {"name": name})
     ada = claim_all(CallQueue.objects.filter(params__name="ada").first().key_set)
@@ -156,8 +157,8 @@ def test_bad_costs_are_refused_and_nothing_is_stored(cost, message):
 
 
 def test_a_cost_that_can_never_fit_a_policy_is_refused_at_send():
-    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1))
-    RateLimit.objects.set_policy("greeter:*", 1, timedelta(seconds=1), burst=4)
+    edit.set_policy("greeter", 10, timedelta(seconds=1))
+    edit.set_policy("greeter:*", 1, timedelta(seconds=1), burst=4)
     with pytest.raises(CostNeverFits, match="cost 11 on key 'greeter'"):
         CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 11})
     with pytest.raises(CostNeverFits, match="greeter:ada"):
@@ -170,7 +171,7 @@ def test_a_cost_that_can_never_fit_a_policy_is_refused_at_send():
 
 
 def test_policies_count_units_and_a_costly_call_waits_its_turn():
-    RateLimit.objects.set_policy("greeter", 5, timedelta(minutes=1))
+    edit.set_policy("greeter", 5, timedelta(minutes=1))
     costly = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 3})
     second = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 3})
     cheap = CallQueue.objects.send("greet", {"name": "ada"})
@@ -188,8 +189,8 @@ def test_policies_count_units_and_a_costly_call_waits_its_turn():
 
 
 def test_a_handler_computes_the_cost_and_reports_what_it_really_used():
-    RateLimit.objects.set_policy("llm", 1000, timedelta(minutes=1))
-    RateLimit.objects.set_policy("llm", 1000, timedelta(hours=1), burst=1000)
+    edit.set_policy("llm", 1000, timedelta(minutes=1))
+    edit.set_policy("llm", 1000, timedelta(hours=1), burst=1000)
     call = CallQueue.objects.send("complete", {"max_tokens": 800, "used": 120})
     assert call.cost == {"llm": 800}
     with pytest.raises(CostNeverFits):
@@ -215,11 +216,11 @@ def test_send_many_takes_a_cost_per_call():
 
 def test_a_refund_never_gives_a_new_bucket_units_it_did_not_charge(settings):
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1))
+    edit.set_policy("llm", 10, timedelta(minutes=1))
     first = CallQueue.objects.send("complete", {"max_tokens": 5})
     run_all(claim_all(first.key_set).calls)
     # The operator learns the API is a bucket: the new shape starts afresh and is then emptied.
-    RateLimit.objects.set_policy("llm", 10, timedelta(minutes=1), burst=10)
+    edit.set_policy("llm", 10, timedelta(minutes=1), burst=10)
     second = CallQueue.objects.send("complete", {"max_tokens": 10})
     assert run_all(claim_all(second.key_set).calls) == ["done"]
     CallQueue.objects.correct_cost(CallQueue.objects.get(pk=first.pk), 0)
@@ -238,7 +239,7 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     from dispatcher.clock import to_us
 
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    RateLimit.objects.set_policy("greeter", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
+    edit.set_policy("greeter", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
     call = CallQueue.objects.send("greet", {"name": "ada"})
     (claimed,) = claim_all(call.key_set).calls
     with connection.cursor() as cursor:

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from dispatcher.clock import from_us
-from dispatcher.limits import gate
+from dispatcher.limits import edit, gate
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.worker import execute_many
 from tests.integration.test_lifecycle import claim_all
@@ -39,12 +39,12 @@ def _claimed(n: int, method: str = "noop", keys: list[str] | None = None, **para
     ids=["window", "concurrency", "bucket"],
 )
 def test_a_group_is_checked_as_one_each_start_counting_against_the_next(before, after):
-    RateLimit.objects.set_policy("api", **before)
+    edit.set_policy("api", **before)
     deliveries = _claimed(3)
     # Tightened while the message waited in the broker: only two of the three fit now. Each
     # call alone would fit the empty key; only counting the group's own starts defers the third.
     RateLimit.objects.filter(key="api").delete()
-    RateLimit.objects.set_policy("api", **after)
+    edit.set_policy("api", **after)
     started = CallQueue.objects.start_many(deliveries, worker="w")
     assert [s.state for s in started] == ["started", "started", "deferred"]
     third = CallQueue.objects.get(id=deliveries[2][0])
@@ -65,9 +65,9 @@ def test_a_group_is_checked_as_one_each_start_counting_against_the_next(before, 
 
 
 def test_a_call_whose_slot_frees_within_may_wait_is_early_and_nothing_changes_for_it():
-    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    edit.set_policy("api", 2, timedelta(minutes=1))
     deliveries = _claimed(2)
-    RateLimit.objects.set_policy("api", 1, timedelta(minutes=1))
+    edit.set_policy("api", 1, timedelta(minutes=1))
     first, second = CallQueue.objects.start_many(deliveries, worker="w", may_wait=timedelta(minutes=2))
     assert (first.state, second.state) == ("started", "early")
     assert timedelta(seconds=59) < second.wait <= timedelta(minutes=1, seconds=1)
@@ -77,7 +77,7 @@ def test_a_call_whose_slot_frees_within_may_wait_is_early_and_nothing_changes_fo
 
 
 def test_a_stale_delivery_in_a_group_is_skipped_and_the_others_start():
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("api", 10, timedelta(minutes=1))
     deliveries = _claimed(3)
     deliveries[1] = (deliveries[1][0], deliveries[1][1] + 7)
     deliveries.append(deliveries[0])  # the same delivery twice in one message starts once
@@ -90,8 +90,8 @@ def test_a_stale_delivery_in_a_group_is_skipped_and_the_others_start():
 
 
 def test_a_group_of_calls_of_different_keys_and_costs_starts_with_each_keys_own_totals():
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
-    RateLimit.objects.set_policy("llm", 100, timedelta(minutes=1))
+    edit.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("llm", 100, timedelta(minutes=1))
     plain = _claimed(2)
     costly = _claimed(2, "complete", keys=["llm"], max_tokens=7)
     started = CallQueue.objects.start_many([plain[0], costly[0], plain[1], costly[1]], worker="w")
@@ -102,7 +102,7 @@ def test_a_group_of_calls_of_different_keys_and_costs_starts_with_each_keys_own_
 
 
 def test_a_message_runs_its_calls_and_records_each_outcome_once():
-    RateLimit.objects.set_policy("api", 10, timedelta(minutes=1))
+    edit.set_policy("api", 10, timedelta(minutes=1))
     ok = _claimed(3)
     failing = _claimed(1, "explode", keys=["api"], permanent=True)
     reporting = _claimed(1, "complete", keys=["llm"], max_tokens=5, used=2)

@@ -12,7 +12,8 @@ from dispatcher import status as live
 from dispatcher import waits
 from dispatcher.clock import db_now
 from dispatcher.durations import humanize
-from dispatcher.models import Attempt, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, KeyState
 from tests.starts import log_starts
 
 pytestmark = pytest.mark.django_db
@@ -26,7 +27,7 @@ def starts(key: str, *ages_seconds: float) -> None:
 @pytest.fixture
 def busy_key(make_call):
     """Key 'api': 3 per minute, concurrency 2; 2 starts in the window, 1 before; 1 reserved; 4 waiting."""
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
+    edit.set_policy("api", 3, timedelta(minutes=1), concurrency=2)
     starts("api", 40, 10, 500)
     KeyState.objects.update_or_create(key="api", defaults={"reserved": 1, "reserved_units": 1})
     now = db_now()
@@ -50,7 +51,7 @@ def test_key_status_counts_window_flight_and_backlog(busy_key):
 
 
 def test_key_statuses_lists_keys_worth_showing_only(busy_key, make_call):
-    RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
+    edit.set_policy("tenant:*", 5, timedelta(seconds=1))
     make_call(keys=["tenant:7"])
     starts("quiet", 7200)
     KeyState.objects.create(key="idle")
@@ -61,8 +62,8 @@ def test_key_statuses_lists_keys_worth_showing_only(busy_key, make_call):
 
 
 def test_pattern_pause_shows_on_matching_key(make_call):
-    RateLimit.objects.set_policy("tenant:*", 5, timedelta(seconds=1))
-    until = RateLimit.objects.pause_key("tenant:*", timedelta(minutes=5))
+    edit.set_policy("tenant:*", 5, timedelta(seconds=1))
+    until = edit.pause_key("tenant:*", timedelta(minutes=5))
     make_call(keys=["tenant:1"])
     (status,) = live.key_statuses(["tenant:1"])
     assert status.paused_until == until and status.blocked
@@ -86,7 +87,7 @@ def test_explains_a_retry_backoff(make_call):
 
 
 def test_explains_a_429_deferral_and_the_pause_it_set(make_call):
-    RateLimit.objects.pause_key("downstream", timedelta(seconds=90), reason="429 from call #1")
+    edit.pause_key("downstream", timedelta(seconds=90), reason="429 from call #1")
     call = make_call(keys=["downstream"], deferrals=1, run_at=db_now() + timedelta(seconds=90))
     Attempt.objects.create(call=call, number=1, started_at=db_now(), outcome="rate_limited")
     explanation = waits.explain_call(call)
@@ -95,7 +96,7 @@ def test_explains_a_429_deferral_and_the_pause_it_set(make_call):
 
 
 def test_explains_a_full_window_with_the_time_its_slot_frees(make_call):
-    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    edit.set_policy("api", 2, timedelta(minutes=1))
     starts("api", 50, 5)
     call = make_call(keys=["api"])
     explanation = waits.explain_call(call)
@@ -107,7 +108,7 @@ def test_explains_a_full_window_with_the_time_its_slot_frees(make_call):
 
 
 def test_explains_a_concurrency_cap_without_an_end_time(make_call):
-    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    edit.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     make_call(keys=["slow"], status="running")  # running calls are counted from the calls themselves
     explanation = waits.explain_call(make_call(keys=["slow"]))
     assert [r.kind for r in explanation.reasons] == ["concurrency"]
@@ -115,7 +116,7 @@ def test_explains_a_concurrency_cap_without_an_end_time(make_call):
 
 
 def test_a_due_call_with_room_is_explained_as_due_now(make_call):
-    RateLimit.objects.set_policy("api", 2, timedelta(minutes=1))
+    edit.set_policy("api", 2, timedelta(minutes=1))
     explanation = waits.explain_call(make_call(keys=["api"]))
     assert explanation.reasons == [] and explanation.summary().startswith("due now")
 
@@ -152,7 +153,7 @@ def test_dispatcher_status_json_matches_the_known_state(busy_key):
 
 
 def test_dispatcher_status_table_is_human_friendly(busy_key):
-    RateLimit.objects.pause_key("api", timedelta(minutes=3))
+    edit.pause_key("api", timedelta(minutes=3))
     out = StringIO()
     call_command("dispatcher_status", stdout=out)
     lines = out.getvalue().splitlines()

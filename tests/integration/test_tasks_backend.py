@@ -13,7 +13,8 @@ from asgiref.sync import async_to_sync
 from django.db import transaction
 
 from dispatcher.exceptions import InvalidCall
-from dispatcher.models import CallQueue, RateLimit, StartLog
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue, StartLog
 from dispatcher.worker import execute
 from support.fakeapi import max_in_window
 from support.processes import ROOT, wait_until
@@ -86,7 +87,7 @@ def test_a_task_call_cannot_be_stored_by_send():
 
 
 def test_keys_from_options_bind_the_policy():
-    RateLimit.objects.set_policy("partner:acme", 2, timedelta(minutes=1))
+    edit.set_policy("partner:acme", 2, timedelta(minutes=1))
     results = [fetch_account.enqueue("http://127.0.0.1:9/", "acme", page=n) for n in range(3)]
     other = fetch_account.enqueue("http://127.0.0.1:9/", account="globex")
     calls = {c.pk: c for c in CallQueue.objects.all()}
@@ -147,7 +148,7 @@ def test_exception_path_is_the_class_the_worker_recorded_or_exception():
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_tasks_reach_the_api_paced_by_their_keys_through_real_workers(procs, fake_api):
-    RateLimit.objects.set_policy("partner:acme", 2, timedelta(seconds=1))
+    edit.set_policy("partner:acme", 2, timedelta(seconds=1))
     results = [fetch_account.enqueue(f"{fake_api.url}/ok", "acme", page=n) for n in range(6)]
     failing = fail.enqueue("boom")
     procs.worker(procs.queue, concurrency=2)

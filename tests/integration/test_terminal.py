@@ -10,7 +10,8 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from dispatcher.clock import db_now
-from dispatcher.models import Attempt, CallQueue, KeyState, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, KeyState
 
 pytestmark = pytest.mark.django_db
 
@@ -25,7 +26,7 @@ def run(*args: str) -> str:
 
 
 def test_prune_dry_run_says_when_the_cutoff_was_raised_to_the_longest_policy_period(make_call):
-    RateLimit.objects.set_policy("api", 100, timedelta(hours=1))
+    edit.set_policy("api", 100, timedelta(hours=1))
     make_call(status="done", finished_at=db_now() - timedelta(minutes=10))
     text = run("prune_calls", "--dry-run", "--older-than", "1m")
     assert text.strip() == (
@@ -36,7 +37,7 @@ def test_prune_dry_run_says_when_the_cutoff_was_raised_to_the_longest_policy_per
 
 
 def test_prune_without_a_longer_policy_reports_the_cutoff_it_used(make_call):
-    RateLimit.objects.set_policy("api", 100, timedelta(seconds=30))
+    edit.set_policy("api", 100, timedelta(seconds=30))
     make_call(status="done", finished_at=db_now() - timedelta(minutes=10))
     assert run("prune_calls", "--dry-run", "--older-than", "1m").strip() == "would delete 1 finished calls older than 1m"
 
@@ -45,9 +46,9 @@ def test_prune_without_a_longer_policy_reports_the_cutoff_it_used(make_call):
 
 
 def test_ratelimit_list_hides_expired_pauses():
-    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    edit.set_policy("api", 5, timedelta(minutes=1))
     KeyState.objects.create(key="old", paused_until=db_now() - timedelta(minutes=5), pause_reason="paused by operator")
-    RateLimit.objects.pause_key("api", timedelta(minutes=10))
+    edit.pause_key("api", timedelta(minutes=10))
     text = run("ratelimit", "list")
     assert "paused api until 20" in text and "UTC (in 10 min) (paused by operator)" in text
     assert "old" not in text
@@ -61,8 +62,8 @@ def test_ratelimit_set_says_what_it_set_once():
 
 
 def test_ratelimit_list_has_column_headers():
-    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1), 3)
-    RateLimit.objects.set_policy("shop", 2, timedelta(seconds=1), burst=40)
+    edit.set_policy("api", 5, timedelta(minutes=1), 3)
+    edit.set_policy("shop", 2, timedelta(seconds=1), burst=40)
     header, api, shop = run("ratelimit", "list").splitlines()
     assert header.split() == ["KEY", "LIMIT", "PER", "SHAPE", "BURST", "CONCURRENCY"]
     assert api.split() == ["api", "5", "1m", "window", "-", "3"]
@@ -70,7 +71,7 @@ def test_ratelimit_list_has_column_headers():
 
 
 def test_ratelimit_pause_of_an_unknown_key_is_refused_unless_created():
-    RateLimit.objects.set_policy("mailgun", 5, timedelta(minutes=1))
+    edit.set_policy("mailgun", 5, timedelta(minutes=1))
     with pytest.raises(CommandError, match="no policy, pattern, limiter state or waiting call knows the key 'mailgnu'"):
         call_command("ratelimit", "pause", "mailgnu", "--for", "5m")
     assert not KeyState.objects.filter(key="mailgnu").exists()
@@ -79,8 +80,8 @@ def test_ratelimit_pause_of_an_unknown_key_is_refused_unless_created():
 
 
 def test_ratelimit_pause_accepts_keys_known_by_policy_pattern_or_waiting_call(make_call):
-    RateLimit.objects.set_policy("mailgun", 5, timedelta(minutes=1))
-    RateLimit.objects.set_policy("tenant:*", 5, timedelta(minutes=1))
+    edit.set_policy("mailgun", 5, timedelta(minutes=1))
+    edit.set_policy("tenant:*", 5, timedelta(minutes=1))
     make_call(keys=["stripe"])
     for key in ("mailgun", "tenant:42", "stripe"):
         assert f"paused {key} until" in run("ratelimit", "pause", key, "--for", "1m")
@@ -91,7 +92,7 @@ def test_ratelimit_pause_accepts_keys_known_by_policy_pattern_or_waiting_call(ma
 
 @pytest.fixture
 def history(make_call):
-    RateLimit.objects.set_policy("api", 5, timedelta(minutes=1))
+    edit.set_policy("api", 5, timedelta(minutes=1))
     now = db_now()
     make_call()
     make_call(status="running")

@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 from dispatcher import status as live
 from dispatcher import waits
 from dispatcher.clock import db_now
+from dispatcher.limits import edit
 from dispatcher.limits.shapes import US, Reading, SlidingWindow
-from dispatcher.models import CallQueue, RateLimit
+from dispatcher.models import CallQueue
 from tests.starts import log_starts
 
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -44,7 +45,7 @@ pytestmark_db = pytest.mark.django_db(transaction=True)
 
 @pytestmark_db
 def test_a_call_behind_185_others_on_a_20_per_minute_key_is_told_about_nine_minutes(make_call):
-    RateLimit.objects.set_policy("mail", 20, timedelta(minutes=1))
+    edit.set_policy("mail", 20, timedelta(minutes=1))
     now = db_now()
     log_starts("mail", [now - timedelta(seconds=58 - 3 * i) for i in range(20)])
     CallQueue.objects.send_many([{"method": "noop", "keys": ["mail"]} for _ in range(185)])
@@ -60,7 +61,7 @@ def test_a_call_behind_185_others_on_a_20_per_minute_key_is_told_about_nine_minu
 
 @pytestmark_db
 def test_other_tenants_on_a_shared_key_count_by_their_fair_turns(make_call):
-    RateLimit.objects.set_policy("mail", 8, timedelta(minutes=1))
+    edit.set_policy("mail", 8, timedelta(minutes=1))
     for tenant in range(7):
         CallQueue.objects.send_many([{"method": "noop", "keys": ["mail", f"mail:t{tenant}"]} for _ in range(10)])
     mine = [CallQueue.objects.send("noop", {}, keys=["mail", "mail:t7"]) for _ in range(4)]
@@ -71,7 +72,7 @@ def test_other_tenants_on_a_shared_key_count_by_their_fair_turns(make_call):
 
 @pytestmark_db
 def test_a_key_at_its_concurrency_cap_gives_only_a_lower_bound(make_call):
-    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    edit.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     make_call(keys=["slow"], status="running")
     explanation = waits.explain_call(make_call(keys=["slow"]))
     assert explanation.until is None
@@ -80,8 +81,8 @@ def test_a_key_at_its_concurrency_cap_gives_only_a_lower_bound(make_call):
 
 @pytestmark_db
 def test_a_tenant_key_with_room_reports_the_slot_of_the_full_shared_key_that_holds_its_calls():
-    RateLimit.objects.set_policy("mail", 2, timedelta(minutes=1))
-    RateLimit.objects.set_policy("mail:*", 10, timedelta(minutes=1))
+    edit.set_policy("mail", 2, timedelta(minutes=1))
+    edit.set_policy("mail:*", 10, timedelta(minutes=1))
     now = db_now()
     log_starts("mail", [now - timedelta(seconds=50), now - timedelta(seconds=20)])
     CallQueue.objects.send_many([{"method": "noop", "keys": ["mail", "mail:t5"]} for _ in range(25)])
@@ -94,7 +95,7 @@ def test_a_tenant_key_with_room_reports_the_slot_of_the_full_shared_key_that_hol
 
 @pytestmark_db
 def test_a_key_behind_a_one_per_hour_key_is_not_free_now():
-    RateLimit.objects.set_policy("hourly", 1, timedelta(hours=1))
+    edit.set_policy("hourly", 1, timedelta(hours=1))
     now = db_now()
     log_starts("hourly", [now - timedelta(minutes=10)])
     CallQueue.objects.send("noop", {}, keys=["fast", "hourly"])
@@ -104,7 +105,7 @@ def test_a_key_behind_a_one_per_hour_key_is_not_free_now():
 
 @pytestmark_db
 def test_the_drain_of_a_capped_key_is_a_lower_bound(make_call):
-    RateLimit.objects.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
+    edit.set_policy("slow", 100, timedelta(seconds=1), concurrency=1)
     for _ in range(9):
         make_call(keys=["slow"])
     slow = next(s for s in live.key_statuses(now=db_now()) if s.key == "slow")

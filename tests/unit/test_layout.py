@@ -16,6 +16,9 @@ FUNCTION_LOCAL_IMPORTS = {
     ("apps", "django.utils.module_loading"), ("apps", "dispatcher"), ("apps", "dispatcher.beat"),
     ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"),
     ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"), ("apps", "django.contrib"),
+    # The package root is imported while INSTALLED_APPS load, before models may be defined; the
+    # function it exports from the limiter's learning is imported when first asked for.
+    ("dispatcher", "dispatcher.learning"),
     # The PostgreSQL driver: only a PostgreSQL connection needs it (SQLite runs without it installed).
     ("dispenser", "psycopg"), ("storedtimes", "psycopg.postgres"), ("storedtimes", "psycopg.pq"),
     # A Python may be built without sqlite3; the call falls back to Django's batching.
@@ -103,7 +106,7 @@ def test_no_import_is_hidden_in_a_function_but_the_listed_ones():
     "models", "managers", "calls.rows", "calls.send", "calls.dispense", "calls.start", "calls.finish", "calls.sweep",
     "calls.shares", "limits.edit", "limits.catalog", "limits.gate", "limits.ledger", "limits.locks", "store.schema",
     "store.limit_sql", "store.call_sql", "store.inserts", "store.folded", "clock",
-    "learning",
+    "learning", "tables",
 ])
 def test_the_models_and_the_modules_below_them_import_no_model_module(module):
     tree = _modules()[f"dispatcher.{module}"]
@@ -160,3 +163,37 @@ def test_no_module_of_the_app_is_longer_than_the_limit():
         if "migrations" not in path.parts and (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+def test_the_running_call_has_one_context_variable():
+    """What a worker knows of the call it runs lives in one object (``dispatcher.running.Run``) held
+    by one ContextVar; the Tasks backend's own flag (a task enqueued from inside a send) is the only
+    other one."""
+    holders = {
+        name
+        for name, tree in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar")
+    }
+    assert holders == {"dispatcher.running", "dispatcher.backends"}
+
+
+def test_the_tables_import_nothing_of_the_engine():
+    """``dispatcher.tables`` sits below the engine that reads and writes it: the limiter and the calls
+    import its model classes, so it may import only the pure shapes and the vocabularies."""
+    tree = _modules()["dispatcher.tables"]
+    imported = {t for node, _ in _runtime_imports(tree) for t in _targets(node, _modules())}
+    assert {name for name in imported if name.startswith("dispatcher")} <= {"dispatcher.limits.shapes", "dispatcher.states"}
+
+
+def test_no_module_looks_a_model_up_by_name_but_the_listed_ones():
+    """No proxy stands between a module and the tables: the one lookup by name is the Tasks
+    backend's (it loads in sites that may not install the app), and ``store.schema`` reads a
+    model's columns to write SQL text."""
+    lookups = {
+        name
+        for name, tree in _modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("get_model")
+    }
+    assert lookups == {"dispatcher.backends", "dispatcher.store.schema"}

@@ -318,3 +318,19 @@ def test_a_window_drain_counts_whole_windows_beyond_the_room_there_is_now():
 def test_bad_policies_are_refused_with_a_clear_error(limit, period, burst, concurrency, message):
     with pytest.raises(PolicyError, match=message):
         validate(limit, period, burst, concurrency)
+
+
+def test_an_edit_re_judges_a_bucket_state_no_start_could_have_left():
+    """report_cost(2**31-1) once pushed a 2/s bucket's state to 2062; an edit to 1000/s carried a
+    24-day wait. The units carried are at most twice the old depth (its burst plus one bounded
+    correction), whatever was stored."""
+    now = at(0)
+    old = TokenBucket("k", 2, timedelta(seconds=1), burst=4)
+    new = TokenBucket("k", 1000, timedelta(seconds=1), burst=4)
+    frozen = now + timedelta(days=36 * 365)
+    assert new.rebase(frozen, now, new) - now <= timedelta(milliseconds=8)
+    carried = old.rebase(frozen, now, new)
+    assert carried - now == timedelta(milliseconds=2 * old.depth)  # 2 x depth units at 1 ms each
+    # A state a start could leave is carried whole.
+    owed_three = now + timedelta(milliseconds=1500)
+    assert old.rebase(owed_three, now, new) - now == timedelta(milliseconds=3)

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from dispatcher.clock import db_now
 from dispatcher.durations import format_duration, format_moment, parse_positive_duration
 from dispatcher.keys import is_pattern, pattern_matches, validate_policy_key
+from dispatcher.limits import edit
 from dispatcher.limits.shapes import PolicyError
 from dispatcher.models import CallQueue, KeyState, RateLimit
 
@@ -102,7 +103,7 @@ class Command(BaseCommand):
         cap = _positive_int("--concurrency")(concurrency) if concurrency is not None else None
         depth = _positive_int("--burst")(burst) if burst is not None else None
         try:
-            policy = RateLimit.objects.set_policy(key, limit_value, period, cap, burst=depth)
+            policy = edit.set_policy(key, limit_value, period, cap, burst=depth)
         except PolicyError as exc:
             raise CommandError(str(exc)) from None
         in_flight = f"; at most {policy.concurrency} in flight" if policy.concurrency else ""
@@ -146,16 +147,16 @@ class Command(BaseCommand):
                 f"no policy, pattern, limiter state or waiting call knows the key {key!r}: check its spelling, "
                 "or pass --create to pause it anyway"
             )
-        until = RateLimit.objects.pause_key(key, length)
+        until = edit.pause_key(key, length)
         self.stdout.write(f"paused {key} until {format_moment(until, db_now())}")
 
     def do_resume(self, key: str, **_: Any) -> None:
-        lifted = RateLimit.objects.resume_key(_key(key))
+        lifted = edit.resume_key(_key(key))
         self.stdout.write(f"resumed {key}" if lifted else f"{key} was not paused")
 
     def do_delete(self, key: str, per: str | None, **_: Any) -> None:
         period = _duration("--per")(per) if per is not None else None
-        deleted = RateLimit.objects.delete_policies(_key(key), period)
+        deleted = edit.delete_policies(_key(key), period)
         if not deleted:
             raise CommandError(f"no policy for {key!r}" + (f" per {per}" if per else ""))
         self.stdout.write(f"deleted {deleted} polic{'y' if deleted == 1 else 'ies'} of {key}")
@@ -164,7 +165,7 @@ class Command(BaseCommand):
         key = _key(key)
         value = None if weight == "default" else _positive_int("weight")(weight)
         try:
-            RateLimit.objects.set_weight(key, value)
+            edit.set_weight(key, value)
         except ValueError as exc:
             raise CommandError(str(exc)) from None
         self.stdout.write(f"weight of {key}: {value or 1}" + (" (the default)" if value is None else ""))
