@@ -13,7 +13,8 @@ import pytest
 from dispatcher import dispenser as dispenser_module
 from dispatcher import liveness
 from dispatcher.dispenser import UNKNOWN_SLOTS, Dispenser, calls_per_message
-from dispatcher.models import Attempt, CallQueue, Heartbeat, RateLimit
+from dispatcher.limits import edit
+from dispatcher.models import Attempt, CallQueue, Heartbeat
 from dispatcher.worker import execute_many
 from support.processes import ROOT
 from tests.claims import claim
@@ -52,7 +53,7 @@ def _worker(name: str, slots: int | None) -> None:
 
 
 def _backlog(n: int) -> None:
-    RateLimit.objects.set_policy("api:*", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("api:*", 1_000_000, timedelta(seconds=1))
     CallQueue.objects.send_many([{"method": "noop", "keys": [f"api:{i % 5}"]} for i in range(n)])
 
 
@@ -121,7 +122,7 @@ def test_a_bad_maximum_stops_the_dispenser_at_startup_with_a_clear_error(value, 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_slow_call_of_a_message_holds_back_no_other_result():
-    RateLimit.objects.set_policy("api", 1_000_000, timedelta(seconds=1))
+    edit.set_policy("api", 1_000_000, timedelta(seconds=1))
     slow = CallQueue.objects.send("late_send", {"delay": 3.0}, keys=["api"])
     fast = [CallQueue.objects.send("late_send", {"delay": 0.0}, keys=["api"]) for _ in range(5)]
     claimed = sorted(claim(slow.key_set, 6).calls, key=lambda c: c.id)
