@@ -83,8 +83,13 @@ def clean_unique(unique_key: Any, unique_for: Any, on_duplicate: Any) -> Unique 
 Store = Callable[[list["NewCall"]], list["CallQueue | None"]]
 
 
-def send_once(manager: CallQueueManager, calls: Sequence[NewCall], store: Store) -> list[CallQueue]:
-    """Store the calls whose unique key is free; return one call per input (``created`` says which)."""
+def send_once(
+    manager: CallQueueManager, calls: Sequence[NewCall], store: Store, tried: list[CallQueue | None] | None = None
+) -> list[CallQueue]:
+    """Store the calls whose unique key is free; return one call per input (``created`` says which).
+
+    ``tried``: what ``store`` returned for these calls (keys unique among them) if the caller already ran it.
+    """
     results: list[CallQueue | None] = [None] * len(calls)
     first: dict[str, int] = {}
     todo: list[int] = []
@@ -96,7 +101,11 @@ def send_once(manager: CallQueueManager, calls: Sequence[NewCall], store: Store)
             todo.append(index)
     for _ in range(ROUNDS):
         missed = []
-        for index, row in zip(todo, store([calls[i] for i in todo]) if todo else [], strict=True):
+        if tried is not None:
+            stored, tried = tried, None
+        else:
+            stored = store([calls[i] for i in todo]) if todo else []
+        for index, row in zip(todo, stored, strict=True):
             if row is None:
                 missed.append(index)
             else:
