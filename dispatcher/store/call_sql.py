@@ -136,6 +136,16 @@ def insert_calls_once() -> str:
     return _insert_calls(once=True)
 
 
+@functools.cache
+def unique_holders() -> str:
+    """Every column of the calls holding any of the unique keys %(keys)s (the rows of the partial unique index)."""
+    key, released = column("CallQueue", "unique_key"), column("CallQueue", "unique_released")
+    return (
+        f"SELECT {columns('CallQueue')} FROM {table('CallQueue')}"
+        f" WHERE {key} = ANY(%(keys)s::text[]) AND {key} IS NOT NULL AND NOT {released}"
+    )
+
+
 # --- calls: dispense ---------------------------------------------------------------------------
 
 
