@@ -10,8 +10,10 @@ blocks, each round ``plain, keyed, duplicate, duplicate, keyed, plain`` (a palin
 shared machine touches every kind alike); a figure is the median over rounds of the kind's rate over
 the plain rate of the same round, with the quartiles of those ratios. Beside the rates, the profile
 of one send of each kind: the statements (round trips) it makes, and per send the server backend's
-CPU time (its ``/proc/<pid>/schedstat``, when the server runs on this machine), this process's CPU
-time and the WAL it writes; CPU time and WAL move far less with the machine's load than wall time.
+CPU time (its ``/proc/<pid>/schedstat``, when the server runs on this machine) and this process's CPU
+time. The CPU figure (server and client CPU of a kind over the plain sends', per round) moves far less
+with the machine's load than wall time, which a loaded machine fills with waits (a commit's flush
+behind other sessions' WAL) that every kind pays alike.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ KINDS = ("plain", "keyed", "duplicate")
 
 @dataclass
 class _Server:
-    """The benchmark connection's backend: its CPU time (when readable) and the WAL position."""
+    """The benchmark connection's backend: its CPU time, when readable."""
 
     pid: int
     readable: bool = field(init=False)
@@ -47,21 +49,19 @@ class _Server:
         except (OSError, ValueError, IndexError):
             return None
 
-    def wal(self) -> str:
-        return str(_one("SELECT pg_current_wal_insert_lsn()::text"))
-
-    def wal_since(self, lsn: str) -> float:
-        return float(_one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s::pg_lsn)", [lsn]))
 
 
 @dataclass
 class _Block:
-    """One block of sends of one kind: per send, wall, client CPU and server CPU (µs), WAL (bytes)."""
+    """One block of sends of one kind: per send, wall, client CPU and server CPU (µs)."""
 
     wall: float
     client: float
     server: float | None
-    wal: float
+
+    @property
+    def cpu(self) -> float:
+        return self.client + (self.server or 0)
 
 
 def _one(sql: str, params: list[Any] | None = None) -> Any:
@@ -124,7 +124,6 @@ def _statement(sql: str) -> str:
 def _block(server: _Server, send: Callable[[int], Any], start: int, n: int, atomic: bool) -> _Block:
     from django.db import transaction
 
-    lsn = server.wal()
     cpu0, client0, wall0 = server.cpu_ns(), time.thread_time_ns(), time.perf_counter_ns()
     if atomic:
         for i in range(start, start + n):
@@ -135,7 +134,7 @@ def _block(server: _Server, send: Callable[[int], Any], start: int, n: int, atom
             send(i)
     wall1, client1, cpu1 = time.perf_counter_ns(), time.thread_time_ns(), server.cpu_ns()
     server_us = (cpu1 - cpu0) / n / 1000 if cpu0 is not None and cpu1 is not None else None
-    return _Block((wall1 - wall0) / n / 1000, (client1 - client0) / n / 1000, server_us, server.wal_since(lsn) / n)
+    return _Block((wall1 - wall0) / n / 1000, (client1 - client0) / n / 1000, server_us)
 
 
 def _single_sends(server: _Server, rounds: int, block: int, atomic: bool) -> list[tuple[str, str]]:
@@ -143,6 +142,7 @@ def _single_sends(server: _Server, rounds: int, block: int, atomic: bool) -> lis
     _truncate()
     blocks: dict[str, list[_Block]] = {kind: [] for kind in KINDS}
     ratios: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    cpu_ratios: dict[str, list[float]] = {kind: [] for kind in KINDS}
     warm = _senders("warm", 100)
     for i in range(100):
         warm["plain"](i)
@@ -155,17 +155,22 @@ def _single_sends(server: _Server, rounds: int, block: int, atomic: bool) -> lis
                             ("plain", block)):
             got[kind].append(_block(server, sends[kind], first, block, atomic))
         wall = {kind: sum(b.wall for b in got[kind]) for kind in KINDS}
+        cpu = {kind: sum(b.cpu for b in got[kind]) for kind in KINDS}
         for kind in KINDS:
             blocks[kind] += got[kind]
             ratios[kind].append(wall["plain"] / wall[kind])
+            cpu_ratios[kind].append(cpu["plain"] / cpu[kind])
     where = "in its own transaction" if atomic else "committing alone"
     rows = []
     for kind in KINDS:
         rate = 1e6 / statistics.median(b.wall for b in blocks[kind])
         figure = f"{rate:,.0f}/s"
         if kind != "plain":
-            q = statistics.quantiles(ratios[kind], n=4)
-            figure += f" = {statistics.median(ratios[kind]):.2f}x (quartiles {q[0]:.2f}-{q[2]:.2f})"
+            q, c = statistics.quantiles(ratios[kind], n=4), statistics.quantiles(cpu_ratios[kind], n=4)
+            figure += (
+                f" = {statistics.median(ratios[kind]):.2f}x (quartiles {q[0]:.2f}-{q[2]:.2f});"
+                f" CPU {statistics.median(cpu_ratios[kind]):.2f}x (quartiles {c[0]:.2f}-{c[2]:.2f})"
+            )
             if kind == "keyed":
                 figure += f" (target >= {TARGET}x)"
         label = {"plain": "no unique key", "keyed": "a fresh unique key", "duplicate": "a duplicate (holder returned)"}
@@ -175,8 +180,7 @@ def _single_sends(server: _Server, rounds: int, block: int, atomic: bool) -> lis
         server_us = [b.server for b in blocks[kind] if b.server is not None]
         server_text = f"server CPU {statistics.median(server_us):.0f} µs" if server_us else "server CPU n/a"
         profile.append(
-            f"{kind} {server_text}, client CPU {statistics.median(b.client for b in blocks[kind]):.0f} µs,"
-            f" WAL {statistics.median(b.wal for b in blocks[kind]):.0f} B"
+            f"{kind} {server_text}, client CPU {statistics.median(b.client for b in blocks[kind]):.0f} µs"
         )
     rows.append((f"  per send ({where}), medians", "; ".join(profile)))
     return rows
