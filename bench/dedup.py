@@ -169,7 +169,8 @@ def _single_sends(server: _Server, rounds: int, block: int, atomic: bool) -> lis
             q, c = statistics.quantiles(ratios[kind], n=4), statistics.quantiles(cpu_ratios[kind], n=4)
             figure += (
                 f" = {statistics.median(ratios[kind]):.2f}x (quartiles {q[0]:.2f}-{q[2]:.2f});"
-                f" CPU {statistics.median(cpu_ratios[kind]):.2f}x (quartiles {c[0]:.2f}-{c[2]:.2f})"
+                f" {'CPU' if server.readable else 'client CPU'} {statistics.median(cpu_ratios[kind]):.2f}x"
+                f" (quartiles {c[0]:.2f}-{c[2]:.2f})"
             )
             if kind == "keyed":
                 figure += f" (target >= {TARGET}x)"
