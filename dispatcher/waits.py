@@ -13,6 +13,7 @@ concurrency cap), on a pause ending, or on what the readings cannot say.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -244,3 +245,68 @@ def explain_call(call: CallQueue, *, now: datetime | None = None, policies: cata
     # A concurrency slot frees when a call in flight finishes: no moment can be promised.
     until = None if any(r.kind == WaitKind.CONCURRENCY for r in reasons) else expected.at
     return WaitExplanation(waiting=True, reasons=reasons, until=until, now=now, stalled=stalled, expected=expected)
+
+
+# The calls of a bulk retry checked for being held, first in queue order: each is a few columns in
+# memory and a step of arithmetic; past them the count of held calls is a lower bound.
+HELD_CHECKED = 1000
+
+
+@dataclass(frozen=True)
+class Held:
+    """A call just made due that something holds back, why, and how many more of the others are held."""
+
+    call: CallQueue
+    explanation: WaitExplanation
+    more: int
+
+
+def first_held(ids: Sequence[int], using: str | None = None) -> Held | None:
+    """Return the first of these waiting calls (in queue order) that something holds back, explained, and
+    how many others are held; one call is explained, two at most, whatever the number of calls.
+
+    The others are only checked, all at once, against their keys' room now: a call is held when a key
+    of it is paused or has less room than the calls before it among these leave. That misses the waiting
+    calls outside these and fair turns on shared keys, so when it finds none held, the last of the
+    calls in queue order is explained (it waits longest, if any waits).
+    """
+    manager = CallQueue.objects if using is None else CallQueue.objects.db_manager(using)
+    db = manager.db
+    waiting = manager.pending().filter(id__in=list(ids))
+    rows = list(waiting.order_by("-priority", "run_at", "id").values_list("id", "key_set", "cost")[:HELD_CHECKED])
+    if not rows:
+        return None
+    now = db_now(db)
+    policies = catalog.Policies.load(db)
+    held = _held_by_room(rows, now, policies, db)
+    for call_id in dict.fromkeys([*held[:1], rows[-1][0]]):
+        call = waiting.filter(id=call_id).first()
+        if call is None:
+            continue
+        explanation = explain_call(call, now=now, policies=policies)
+        if explanation.reasons:
+            # The first one checked held is either this call or was not held after all.
+            return Held(call, explanation, max(len(held) - 1, 0))
+    return None
+
+
+def _held_by_room(
+    rows: list[tuple[int, str, dict[str, int] | None]], now: datetime, policies: catalog.Policies, using: str
+) -> list[int]:
+    """Return the ids of the calls (in queue order) that their keys' room now cannot take, in order."""
+    key_sets = {key_set: parse_key_set(key_set) for _, key_set, _ in rows}
+    keys = sorted({key for keys in key_sets.values() for key in keys})
+    found = {s.key: s for s in KeyState.objects.using(using).filter(key__in=keys)}
+    states = {key: found.get(key) or KeyState(key=key) for key in keys}
+    # A copy: judging applies the keys' arrival guards to the policies it is given.
+    verdicts = gate.check_each_key(keys, states, now, policies.fresh(), for_start=False, using=using)
+    room = {key: max(verdict.room, 0) for key, verdict in verdicts.items()}
+    held = []
+    for call_id, key_set, cost in rows:
+        need = {key: int((cost or {}).get(key, 1)) for key in key_sets[key_set]}
+        if any(room[key] < units for key, units in need.items()):
+            held.append(call_id)
+            continue
+        for key, units in need.items():
+            room[key] -= units
+    return held

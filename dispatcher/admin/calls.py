@@ -443,20 +443,16 @@ class CallQueueAdmin(RefuseUnstorableMixin, ButtonsMixin, ReadOnlyAdminMixin, Mo
 
     def _held(self, ids: list[int]) -> str:
         """Say when calls just made due will really start, if a limit or pause holds them back."""
-        if not ids:
+        held = waits.first_held(ids) if ids else None
+        if held is None:
             return ""
-        calls = list(CallQueue.objects.filter(id__in=ids[:200], status=CallQueue.Status.PENDING))
-        explanations = [(c, waits.explain_call(c)) for c in calls]
-        held = [(c, e) for c, e in explanations if e.reasons]
-        if not held:
-            return ""
-        call, first = held[0]
+        call, first = held.call, held.explanation
         when = first.expected.text(format_moment, first.now) if first.expected is not None else ""
         if first.until is None:
             when = f"waits until a call in flight finishes ({when})"
         text = f"Call #{call.id} still waits: {first.reasons[0].text}; {when}."
-        if len(held) > 1:
-            text += f" {len(held) - 1} more of the calls wait for their keys' limits too."
+        if held.more:
+            text += f" {held.more} more of the calls wait for their keys' limits too."
         return text
 
     @admin.action(description="Cancel (waiting calls only; asks first)", permissions=["change"])

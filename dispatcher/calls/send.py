@@ -197,9 +197,18 @@ def send_one(
 ) -> CallQueue:
     """Store one call in the caller's transaction and return the saved row (``CallQueue.objects.send``)."""
     call = _clean_call(_SendSettings(manager.db), method, params, **options)
+    postgresql = schema.postgresql_path(manager.db)
     if call.unique is not None:
-        return once.send_once(manager, [call], _store_skipping(manager))[0]
-    if schema.postgresql_path(manager.db):
+        tried: list[CallQueue | None] | None = None
+        if postgresql:
+            # The common case in one statement and no more: the key is free, the call stored.
+            stored = insert_one_once(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
+            if stored is not None:
+                stored.created = True
+                return stored
+            tried = [None]
+        return once.send_once(manager, [call], _store_skipping(manager), tried)[0]
+    if postgresql:
         row: CallQueue = insert_one(manager.model, manager.db, connections[manager.db], call, Status.PENDING)
     else:
         row = manager.model(**call.fields(Status.PENDING))

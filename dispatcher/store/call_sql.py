@@ -51,7 +51,7 @@ def _unique_values(before: str, after: str = "") -> dict[str, str]:
     }
 
 
-def _insert_call(once: bool) -> str:
+def _insert_call(once: bool, hold: bool = False) -> str:
     values = {}
     for name in NEW_CALL_FIELDS:
         if name == "run_at":
@@ -60,7 +60,10 @@ def _insert_call(once: bool) -> str:
             values[name] = f"%({name})s::{pg_type(field_of('CallQueue', name))}"
     values["status"] = "%(status)s"
     if once:
-        values.update(_unique_values("%(", ")s"))
+        unique = _unique_values("%(", ")s")
+        values["unique_key"] = unique["unique_key"]
+        if hold:
+            values["unique_until"] = unique["unique_until"]
     names, exprs = insert_clause("CallQueue", {**values, **_new_call_defaults()})
     return (
         f"INSERT INTO {table('CallQueue')} ({names}) VALUES ({exprs}) {_unique_conflict() if once else ''}"
@@ -79,10 +82,14 @@ def insert_call() -> str:
 
 
 @functools.cache
-def insert_call_once() -> str:
+def insert_call_once(hold: bool) -> str:
     """Insert one call unless another call holds its unique key (no row back then); params: insert_call()'s,
-    unique_key and hold_for_us (microseconds, or NULL)."""
-    return _insert_call(once=True)
+    unique_key and, with ``hold`` (a unique_for), hold_for_us in microseconds.
+
+    Without a hold unique_until is left out (NULL) rather than computed from a NULL hold: one
+    expression less for PostgreSQL to parse at every send.
+    """
+    return _insert_call(once=True, hold=hold)
 
 
 def _insert_calls(once: bool) -> str:
@@ -127,6 +134,16 @@ def insert_calls_once() -> str:
     """Insert many calls as insert_calls() does, skipping those whose unique key another call holds; each
     row also carries unique_key and hold_for_us, and the unique key comes back with each stored call."""
     return _insert_calls(once=True)
+
+
+@functools.cache
+def unique_holders() -> str:
+    """Every column of the calls holding any of the unique keys %(keys)s (the rows of the partial unique index)."""
+    key, released = column("CallQueue", "unique_key"), column("CallQueue", "unique_released")
+    return (
+        f"SELECT {columns('CallQueue')} FROM {table('CallQueue')}"
+        f" WHERE {key} = ANY(%(keys)s::text[]) AND {key} IS NOT NULL AND NOT {released}"
+    )
 
 
 # --- calls: read from the limiter's side -------------------------------------------------------

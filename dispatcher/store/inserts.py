@@ -91,11 +91,15 @@ def _insert_one(
         "key_set": call.key_set, "priority": call.priority, "queue": call.queue, "max_attempts": call.max_attempts,
         "run_at": call.run_at, "status": status, "cost": None if call.cost is None else _compact_json.encode(call.cost),
     }
+    statement = call_sql.insert_call()
     if once:
         params["unique_key"] = call.unique.key if call.unique else None
-        params["hold_for_us"] = call.hold_for_us()
+        hold_for_us = call.hold_for_us()
+        if hold_for_us is not None:
+            params["hold_for_us"] = hold_for_us
+        statement = call_sql.insert_call_once(hold_for_us is not None)
     with connection.cursor() as cursor:
-        cursor.execute(call_sql.insert_call_once() if once else call_sql.insert_call(), params)
+        cursor.execute(statement, params)
         row = cursor.fetchone()
     if row is None:
         return None

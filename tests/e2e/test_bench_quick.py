@@ -41,3 +41,22 @@ def test_quick_benchmark_loses_no_call_and_keeps_every_window_within_its_limit()
                    "fair turns: 8 tenants"):
         assert figure in table
     assert "CHECK FAILED" not in table and "ERROR" not in table
+
+
+def test_dedup_benchmark_prints_its_rows_and_stores_each_key_once():
+    settings = connection.settings_dict
+    user, host, port = settings.get("USER") or "postgres", settings.get("HOST") or "127.0.0.1", settings.get("PORT") or 5432
+    env = {**os.environ, "BENCH_DATABASE_URL": f"postgres://{user}@{host}:{port}/bench_dedup_{settings['NAME']}"[:100]}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.dedup", "--rounds", "2", "--block", "20", "--batch", "200", "--batch-rounds", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    print(done.stdout)
+    # The bench asserts that a duplicate stores nothing and that send_many stores each key once.
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    # A keyed send makes the statements a plain one makes; a duplicate one more, the holder's SELECT.
+    assert "plain: 3 (BEGIN, INSERT dispatcher_call, COMMIT); keyed: 3 (BEGIN, INSERT dispatcher_call, COMMIT)" in done.stdout
+    assert "plain: 1 (INSERT dispatcher_call); keyed: 1 (INSERT dispatcher_call)" in done.stdout
+    for row in ("send() in its own transaction, a fresh unique key",
+                "send() committing alone, a duplicate", "send_many(200), 10% keys held by waiting calls"):
+        assert row in done.stdout

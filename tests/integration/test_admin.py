@@ -627,6 +627,24 @@ def test_retry_now_on_a_limit_blocked_call_says_when_it_will_run(operator, make_
     assert "UTC (in 30 min)." in text
 
 
+def test_retry_now_of_a_big_backlog_explains_one_call_and_counts_the_held_ones_in_few_queries(operator):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    RateLimit.objects.set_policy("api", 10, timedelta(hours=1))
+    log_starts("api", [db_now() - timedelta(minutes=30)] * 4)
+    calls = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"], "run_at": db_now() + timedelta(hours=2)}] * 500)
+    with CaptureQueriesContext(connection) as queries:
+        text = run_action(operator, CALLS, "retry_now", [c.id for c in calls]).content.decode()
+    assert "500 calls are due now." in text
+    # 6 of the key's 10 starts an hour are free: the first 6 go, the 7th is the first held.
+    assert f"Call #{calls[6].id} still waits: 6 calls ahead of it on key api; will start at 20" in text
+    assert "UTC (in 30 min)." in text
+    assert "493 more of the calls wait for their keys&#x27; limits too." in text
+    # The action, its message and the page after it; explaining each call took 1,713 queries here.
+    assert len(queries) <= 50, [q["sql"][:80] for q in queries]
+
+
 def test_policy_page_pause_and_resume_buttons_leave_history(operator):
     from django.contrib.admin.models import LogEntry
 

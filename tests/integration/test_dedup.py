@@ -43,6 +43,18 @@ def test_a_second_send_with_the_key_stores_nothing_and_returns_the_waiting_call(
     assert CallQueue.objects.count() == 1
 
 
+def test_the_holder_a_duplicate_returns_reads_as_the_stored_row_in_every_field():
+    first = send("order-2", params={"n": 1, "text": "é"}, unique_for="1h", run_at=datetime(2031, 1, 1, tzinfo=UTC))
+    finish(first, Status.DONE)
+    second = send("order-2", params={"n": 2})
+    third = CallQueue.objects.send_many([{"method": "noop", "unique_key": "order-2"}])[0]
+    stored = CallQueue.objects.get(id=first.id)
+    fields = [f.attname for f in CallQueue._meta.concrete_fields]
+    assert second.created is False and third.created is False
+    assert [getattr(second, f) for f in fields] == [getattr(stored, f) for f in fields]
+    assert [getattr(third, f) for f in fields] == [getattr(stored, f) for f in fields]
+
+
 def test_sends_without_a_key_are_always_created():
     call = CallQueue.objects.send("noop", {})
     assert call.created is True and call.unique_key is None

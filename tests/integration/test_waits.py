@@ -110,3 +110,28 @@ def test_the_drain_of_a_capped_key_is_a_lower_bound(make_call):
         make_call(keys=["slow"])
     slow = next(s for s in live.key_statuses(now=db_now()) if s.key == "slow")
     assert slow.drain_is_lower_bound and slow.drain_text(lambda d: "0 s") == "at least 0 s"
+
+
+@pytestmark_db
+def test_first_held_explains_the_first_call_the_room_cannot_take_and_counts_the_rest():
+    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    RateLimit.objects.pause_key("paused", timedelta(minutes=5))
+    free = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 5)
+    stopped = CallQueue.objects.send("noop", {}, keys=["paused"])
+    CallQueue.objects.retry_now([c.id for c in [*free, stopped]])
+    held = waits.first_held([c.id for c in [*free, stopped]])
+    # The key's room takes the first three; the fourth and fifth wait, and so does the paused key's call.
+    assert held.call.id == free[3].id and held.more == 2
+    assert "3 calls ahead of it on key api" in held.explanation.summary()
+    assert waits.first_held([c.id for c in free[:3]]) is None
+
+
+@pytestmark_db
+def test_first_held_explains_the_last_call_when_only_calls_outside_the_batch_are_ahead():
+    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 4)
+    mine = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 2)
+    CallQueue.objects.retry_now([c.id for c in mine])
+    held = waits.first_held([c.id for c in mine])
+    assert held.call.id == mine[1].id and held.more == 0
+    assert "5 calls ahead of it on key api" in held.explanation.summary()
