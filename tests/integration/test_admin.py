@@ -631,7 +631,7 @@ def test_retry_now_of_a_big_backlog_explains_one_call_and_counts_the_held_ones_i
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    RateLimit.objects.set_policy("api", 10, timedelta(hours=1))
+    edit.set_policy("api", 10, timedelta(hours=1))
     log_starts("api", [db_now() - timedelta(minutes=30)] * 4)
     calls = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"], "run_at": db_now() + timedelta(hours=2)}] * 500)
     with CaptureQueriesContext(connection) as queries:

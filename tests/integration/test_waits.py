@@ -114,8 +114,8 @@ def test_the_drain_of_a_capped_key_is_a_lower_bound(make_call):
 
 @pytestmark_db
 def test_first_held_explains_the_first_call_the_room_cannot_take_and_counts_the_rest():
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
-    RateLimit.objects.pause_key("paused", timedelta(minutes=5))
+    edit.set_policy("api", 3, timedelta(minutes=1))
+    edit.pause_key("paused", timedelta(minutes=5))
     free = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 5)
     stopped = CallQueue.objects.send("noop", {}, keys=["paused"])
     CallQueue.objects.retry_now([c.id for c in [*free, stopped]])
@@ -128,7 +128,7 @@ def test_first_held_explains_the_first_call_the_room_cannot_take_and_counts_the_
 
 @pytestmark_db
 def test_first_held_explains_the_last_call_when_only_calls_outside_the_batch_are_ahead():
-    RateLimit.objects.set_policy("api", 3, timedelta(minutes=1))
+    edit.set_policy("api", 3, timedelta(minutes=1))
     CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 4)
     mine = CallQueue.objects.send_many([{"method": "noop", "keys": ["api"]}] * 2)
     CallQueue.objects.retry_now([c.id for c in mine])
