@@ -36,6 +36,12 @@ clean:
 browser-deps:
 	@if [ ! -x /usr/bin/chromium ]; then apt-get update && apt-get install -y chromium; fi
 
+# The pacing benchmark (bench/pacing.py) puts Debian's nginx (`limit_req`) in front of its fake
+# API; install it only if it is missing.
+.PHONY: bench-deps
+bench-deps:
+	@if [ ! -x /usr/sbin/nginx ]; then apt-get update && apt-get install -y --no-install-recommends nginx; fi
+
 # Benchmarks against PostgreSQL, Redis and RabbitMQ (see docs/performance.md): `make bench` is
 # the full run whose table goes to docs/performance.md; `make bench-quick` is the CI size.
 BENCH_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/bench_dispatcher

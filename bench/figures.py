@@ -16,6 +16,7 @@ from typing import Any
 from bench.console import console
 from bench.fairness import fair_shares
 from bench.hotkey import hot_key
+from bench.pacing import paced_at_the_api
 from bench.support import (
     Broker,
     Figure,
@@ -1094,6 +1095,7 @@ ALL = {
     "fair_shares": fair_shares,
     "hot_key": hot_key,
     "console": console,
+    "pacing": paced_at_the_api,
 }
 
 # Run only when named with --only: experiments, not figures of the product.

@@ -1,0 +1,103 @@
+"""Send-time pacing, held at the API on a loaded machine (issue 28, item 1).
+
+Smooth rates of 5 and 20 per second behind a real nginx ``limit_req`` without burst, and the
+window, bucket and unit-budget partners of ``support.arrivals``, each with its calls sent through
+several dispensers and workers that start late, at default settings, while a busy loop keeps
+one core of the machine busy. Targets: 0 x 429, >= 95% of nginx's capacity, >= 97% of each
+shaped partner's allowance.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from bench.support import Figure, check, reset_tables
+
+RATES = {"r5": 5, "r20": 20}
+# Seconds of sending per rate: the calls are the rate times this.
+SECONDS = {"quick": 8, "full": 20}
+SHAPE_LABELS = {
+    "window": "sliding window 10 per 2 s",
+    "bucket": "token bucket 5/s, burst 10",
+    "smooth": "smooth rate 2/s (burst 1)",
+    "units": "unit budget 30 per 2 s, costs 1-3",
+}
+
+
+def _http_env() -> dict[str, str]:
+    from bench.figures import _http_env as env
+
+    return env()
+
+
+def _nginx_run(ctx: Any, seconds: int, extra: dict[str, str]) -> dict[str, dict[str, float]]:
+    from support.fakeapi import FakeAPI
+    from support.nginx import Nginx
+    from support.paced import load, run_behind_nginx
+
+    reset_tables()
+    api = FakeAPI().start()
+    nginx = Nginx(api.url, RATES).start()
+    procs = ctx.processes(**_http_env(), **extra)
+    try:
+        load(procs, seconds * 3 + 90)
+        return run_behind_nginx(
+            procs, api, nginx, {zone: rate * seconds for zone, rate in RATES.items()}, queue=ctx.queue, extra_env=extra,
+        )
+    finally:
+        procs.stop_all()
+        nginx.stop()
+        api.stop()
+
+
+def _shapes_run(ctx: Any, extra: dict[str, str]) -> dict[str, dict[str, float]]:
+    from support.arrivals import run_shapes
+    from support.fakeapi import FakeAPI
+    from support.paced import load
+
+    reset_tables()
+    api = FakeAPI().start()
+    procs = ctx.processes(**_http_env(), **extra)
+    try:
+        load(procs, 180)
+        return run_shapes(procs, api, extra, queue=ctx.queue)
+    finally:
+        procs.stop_all()
+        api.stop()
+
+
+def paced_at_the_api(ctx: Any) -> list[Figure]:
+    """The rows: each rate and shape, on a machine with one core kept busy."""
+    from bench.figures import FULL
+    from support import nginx
+
+    mode = "full" if ctx.sizes == FULL else "quick"
+    rows: list[Figure] = []
+    load_before = os.getloadavg()[0]
+    if not nginx.available():
+        rows.append(Figure("paced behind nginx", "skipped: no nginx (make bench-deps)", "", "", None))
+    else:
+        started = time.monotonic()
+        found = _nginx_run(ctx, SECONDS[mode], {})
+        for zone, f in found.items():
+            check(f["lost"] == 0 and f["runs_per_call"] == 1, f"nginx {zone}: {f['lost']} calls lost, runs per call {f['runs_per_call']}")
+            rows.append(Figure(
+                f"paced: smooth {f['rate']}/s behind nginx limit_req (2 dispensers, 1 late worker, busy machine)",
+                f"{f['used']:.1%} of nginx's capacity, {f['refused']} 429s ({f['calls']} calls)",
+                ">= 95%, 0 429s",
+                f"load {load_before:.1f}; smallest gap at the API {f['min_gap_ms']:.1f} ms",
+                f["used"] >= 0.95 and f["refused"] == 0,
+                {**f, "load_before": load_before, "seconds": time.monotonic() - started},
+            ))
+    shapes = _shapes_run(ctx, {})
+    for name, f in shapes.items():
+        rows.append(Figure(
+            f"paced: {SHAPE_LABELS[name]} (3 dispensers, 2 late workers, busy machine)",
+            f"{f['used']:.1%} used, {f['refused']} 429s",
+            ">= 97%, 0 429s",
+            f"load {load_before:.1f}; start->arrival p50 {f['p50_ms']:.0f} ms",
+            f["used"] >= 0.97 and f["refused"] == 0,
+            {**f, "load_before": load_before},
+        ))
+    return rows
