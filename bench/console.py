@@ -112,6 +112,7 @@ PAGES: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("calls list, failed", lambda ids: "/admin/dispatcher/callqueue/?state=failed"),
     ("a call's page", lambda ids: f"/admin/dispatcher/callqueue/{ids['call']}/change/"),
     ("a key's page", lambda ids: f"/dispatcher/dashboard/key/{ids['key']}/"),
+    ("failures view", lambda ids: "/admin/dispatcher/callqueue/failures/"),
 ]
 
 

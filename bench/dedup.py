@@ -254,24 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(DATABASE_URL=db_url, DJANGO_SETTINGS_MODULE="bench.settings", DISPATCHER_LOG_LEVEL="WARNING")
     from bench import support
 
-    support.recreate_database(db_url)
-    try:
-        import django
-
-        django.setup()
-        from django.core.management import call_command
-        from django.db import connections
-
-        call_command("migrate", verbosity=0)
-        try:
-            rows = _measure(args.rounds, args.block, args.batch, args.batch_rounds)
-        finally:
-            connections.close_all()
-    finally:
-        support.drop_database(db_url)
-    width = max(len(name) for name, _ in rows)
-    for name, figure in rows:
-        print(f"{name.ljust(width)} | {figure}")
+    with support.migrated_database(db_url):
+        rows = _measure(args.rounds, args.block, args.batch, args.batch_rounds)
+    support.print_rows(rows)
     return 0
 
 

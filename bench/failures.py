@@ -100,31 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DISPATCHER_HTTP_ALLOWED_HOSTS", "127.0.0.1:*")
     from bench import support
 
-    support.recreate_database(db_url)
-    try:
-        import django
-
-        django.setup()
+    with support.migrated_database(db_url):
         from django.conf import settings
-        from django.core.management import call_command
-        from django.db import connections
 
         settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
         # Pages link their static files by name: no collectstatic manifest is needed for timing them.
         settings.STORAGES = {**settings.STORAGES, "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}
-        call_command("migrate", verbosity=0)
-        try:
-            began = time.perf_counter()
-            _fill(args.calls, args.keys)
-            print(f"stored {args.calls:,} calls over {args.keys} keys in {time.perf_counter() - began:.1f} s")
-            rows = _measure(args.rounds)
-        finally:
-            connections.close_all()
-    finally:
-        support.drop_database(db_url)
-    width = max(len(name) for name, _ in rows)
-    for name, figure in rows:
-        print(f"{name.ljust(width)} | {figure}")
+        began = time.perf_counter()
+        _fill(args.calls, args.keys)
+        print(f"stored {args.calls:,} calls over {args.keys} keys in {time.perf_counter() - began:.1f} s")
+        rows = _measure(args.rounds)
+    support.print_rows(rows)
     return 0
 
 

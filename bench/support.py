@@ -1,8 +1,10 @@
 """What every benchmark needs: the database, broker queues, backlogs, processes and results."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -178,3 +180,31 @@ def server_versions(redis_url: str) -> dict[str, str]:
     finally:
         client.close()
     return versions
+
+
+def print_rows(rows: list[tuple[str, str]]) -> None:
+    """Print a stand-alone benchmark's rows as ``name | figure``, the names aligned."""
+    width = max(len(name) for name, _ in rows)
+    for name, figure in rows:
+        print(f"{name.ljust(width)} | {figure}")
+
+
+@contextlib.contextmanager
+def migrated_database(url: str) -> Iterator[None]:
+    """A new database for a stand-alone benchmark (``python -m bench.dedup``...): created, Django
+    set up on it and migrated; its connections closed and the database dropped after the block."""
+    recreate_database(url)
+    try:
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+        from django.db import connections
+
+        call_command("migrate", verbosity=0)
+        try:
+            yield
+        finally:
+            connections.close_all()
+    finally:
+        drop_database(url)

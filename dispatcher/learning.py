@@ -222,7 +222,7 @@ def _budget(
         return
     source = f"{found.source or 'handler'}:remaining"[:40]
     model.objects.filter(key=key, source=source).delete()
-    running = RawSQL(call_sql.running_ids(), [CallStatus.RUNNING])
+    running = RawSQL(call_sql.running_calls("id"), [CallStatus.RUNNING])
     first = (
         tables.StartLog.objects.filter(key=key, call_id__in=running, started_at__lte=now)
         .order_by("started_at").values_list("started_at", flat=True).first()

@@ -26,11 +26,12 @@ class CallStatus(models.TextChoices):
 
 
 class AttemptOutcome(models.TextChoices):
-    """How one attempt of a call ended; ``Attempt.Outcome``."""
+    """How one attempt of a call ended; ``Attempt.Outcome``. Where an attempt's state is its call's
+    (running, done), it is named by the call's word: one vocabulary on every screen."""
 
-    RUNNING = "running", "Running"
+    RUNNING = CallStatus.RUNNING.value, CallStatus.RUNNING.label
     """Started and not finished yet."""
-    DONE = "done", "Done"
+    DONE = CallStatus.DONE.value, CallStatus.DONE.label
     """The handler returned."""
     ERROR = "error", "Error (retryable)"
     """The handler raised; the call retries while attempts remain."""

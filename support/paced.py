@@ -15,6 +15,7 @@ from collections import Counter
 from datetime import timedelta
 from typing import Any
 
+from dispatcher.limits import edit
 from support.processes import wait_until
 
 # A bounded busy loop: one core of the 2-core machine kept busy while a scenario runs.
@@ -32,10 +33,10 @@ def run_behind_nginx(
 ) -> dict[str, dict[str, float]]:
     """Send ``calls[zone]`` http calls to each nginx zone; return per zone the 429s, the share of
     nginx's capacity used, the smallest gap at the API and the runs per call."""
-    from dispatcher.models import CallQueue, RateLimit
+    from dispatcher.models import CallQueue
 
     for zone, n in calls.items():
-        RateLimit.objects.set_policy(f"nginx:{zone}", nginx.rates[zone], timedelta(seconds=1), burst=1)
+        edit.set_policy(f"nginx:{zone}", nginx.rates[zone], timedelta(seconds=1), burst=1)
         CallQueue.objects.send_many([
             {
                 "method": "http",

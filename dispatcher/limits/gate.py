@@ -195,7 +195,7 @@ def running_by_key(keys: Iterable[str] | None = None, using: str | None = None) 
     wanted = set(keys) if keys is not None else None
     counts: dict[str, int] = {}
     with connections[alias(using)].cursor() as cursor:
-        cursor.execute(call_sql.running_key_sets(), [CallStatus.RUNNING])
+        cursor.execute(call_sql.running_calls("key_set"), [CallStatus.RUNNING])
         key_sets = [row[0] for row in cursor.fetchall()]
     for text in key_sets:
         for key in parse_key_set(text):

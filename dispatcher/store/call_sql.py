@@ -139,28 +139,19 @@ def insert_calls_once() -> str:
 @functools.cache
 def unique_holders() -> str:
     """Every column of the calls holding any of the unique keys %(keys)s (the rows of the partial unique index)."""
-    key, released = column("CallQueue", "unique_key"), column("CallQueue", "unique_released")
-    return (
-        f"SELECT {columns('CallQueue')} FROM {table('CallQueue')}"
-        f" WHERE {key} = ANY(%(keys)s::text[]) AND {key} IS NOT NULL AND NOT {released}"
-    )
+    key = column("CallQueue", "unique_key")
+    held = f"{key} = ANY(%(keys)s::text[]) AND {key} IS NOT NULL AND NOT {column('CallQueue', 'unique_released')}"
+    return f"SELECT {columns('CallQueue')} FROM {table('CallQueue')} WHERE {held}"
 
 
 # --- calls: read from the limiter's side -------------------------------------------------------
 
 
 @functools.cache
-def running_key_sets() -> str:
-    """The key sets of the running calls (the limiter counts them per key; params: the status)."""
-    calls = "CallQueue"
-    return f"SELECT {column(calls, 'key_set')} FROM {table(calls)} WHERE {column(calls, 'status')} = %s"
-
-
-@functools.cache
-def running_ids() -> str:
-    """The ids of the running calls, as a subquery (params: the status)."""
-    calls = "CallQueue"
-    return f"SELECT {column(calls, 'id')} FROM {table(calls)} WHERE {column(calls, 'status')} = %s"
+def running_calls(field: str) -> str:
+    """One column of the running calls (params: the status): their ``key_set`` (the limiter counts
+    them per key) or their ``id`` (as a subquery), read without the call model."""
+    return f"SELECT {column('CallQueue', field)} FROM {table('CallQueue')} WHERE {column('CallQueue', 'status')} = %s"
 
 
 # --- calls: dispense ---------------------------------------------------------------------------

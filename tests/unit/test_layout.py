@@ -169,13 +169,7 @@ def test_the_running_call_has_one_context_variable():
     """What a worker knows of the call it runs lives in one object (``dispatcher.running.Run``) held
     by one ContextVar; the Tasks backend's own flag (a task enqueued from inside a send) is the only
     other one."""
-    holders = {
-        name
-        for name, tree in _modules().items()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("ContextVar")
-    }
-    assert holders == {"dispatcher.running", "dispatcher.backends"}
+    assert _modules_calling("ContextVar") == {"dispatcher.running", "dispatcher.backends"}
 
 
 def test_the_tables_import_nothing_of_the_engine():
@@ -190,10 +184,14 @@ def test_no_module_looks_a_model_up_by_name_but_the_listed_ones():
     """No proxy stands between a module and the tables: the one lookup by name is the Tasks
     backend's (it loads in sites that may not install the app), and ``store.schema`` reads a
     model's columns to write SQL text."""
-    lookups = {
-        name
-        for name, tree in _modules().items()
+    assert _modules_calling("get_model") == {"dispatcher.backends", "dispatcher.store.schema"}
+
+
+def _modules_calling(name: str) -> set[str]:
+    """The app's modules with a call of a function whose name ends with ``name``."""
+    return {
+        module
+        for module, tree in _modules().items()
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("get_model")
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(name)
     }
-    assert lookups == {"dispatcher.backends", "dispatcher.store.schema"}
