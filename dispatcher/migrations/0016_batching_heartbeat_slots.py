@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('dispatcher', '0017_attempt_finished'),
+        ('dispatcher', '0015_unique_key'),
     ]
 
     operations = [
