@@ -98,8 +98,9 @@ class DispatcherSettings:
     RUN_TIMEOUT = Setting("15m", parse_duration, "A call running for this long is rescued (its attempt counts).")
     RETENTION = Setting("7d", parse_duration, "Finished calls older than this are pruned.")
     CALLS_PER_MESSAGE = Setting(
-        1, _as_int,
-        "Calls a dispenser puts in one Celery message; a worker starts them together and runs them at once (PostgreSQL).",
+        16, _as_int,
+        "Most calls a dispenser puts in one Celery message: one while the backlog fits the workers' slots, more as "
+        "it deepens; a worker starts a message's calls together and runs them at once (1: always one per message).",
     )
     HEARTBEAT_TIMEOUT = Setting(
         "1m", parse_duration,

@@ -35,6 +35,27 @@ log = logging.getLogger("dispatcher")
 # Most calls one pass moves: a pass stays a short transaction, and the next one starts at once
 # when this one was full.
 DISPENSE_BATCH = 500
+# The pool size a dispenser assumes when no live worker said its own (see liveness.worker_slots):
+# prefork's processes or a small thread pool.
+UNKNOWN_SLOTS = 8
+# How long a dispenser keeps the workers' slots it read, in seconds: they change only as workers
+# come and go, and one read a second costs nothing beside the passes.
+SLOTS_FOR = 1.0
+
+
+def calls_per_message(backlog: int, slots: int | None, most: int) -> int:
+    """How many calls go into one message: the backlog spread over the workers' slots.
+
+    While the backlog fits the slots, one call per message: each goes to its own slot, the
+    lowest latency. Beyond, as few calls per message as still gives every slot one message
+    (their handlers run at once in the message's threads), never more than ``most``
+    (``DISPATCHER_CALLS_PER_MESSAGE``): fewer messages, one start transaction and fewer finish
+    statements per group, where a deep backlog needs them.
+    """
+    if most <= 1 or backlog <= 1:
+        return 1
+    spread = max(1, slots or UNKNOWN_SLOTS)
+    return max(1, min(most, -(-backlog // spread)))
 
 
 @dataclass
@@ -47,6 +68,8 @@ class PassReport:
     key_sets: int = 0
     next_at: datetime | None = None
     full: bool = False
+    # Calls per message this pass chose (calls_per_message).
+    per_message: int = 1
 
 
 class Dispenser:
@@ -55,6 +78,8 @@ class Dispenser:
     def __init__(self, batch: int | None = None) -> None:
         self.batch = batch or dispatcher_settings.tuned("DISPENSE_BATCH", DISPENSE_BATCH)
         self.cursor: str | None = None
+        # The workers' slots this dispenser read, and when (time.monotonic()).
+        self._slots: tuple[float, int | None] | None = None
 
     def run_once(self) -> PassReport:
         """Claim and publish one batch; return what moved."""
@@ -91,8 +116,8 @@ class Dispenser:
             report.next_at = min(waits) if waits else None
         if report.moved or report.put_back:
             log.info(
-                "dispense moved=%s published=%s put_back=%s key_sets=%s",
-                report.moved, report.published, report.put_back, report.key_sets,
+                "dispense moved=%s published=%s put_back=%s key_sets=%s per_message=%s",
+                report.moved, report.published, report.put_back, report.key_sets, report.per_message,
             )
         return report
 
@@ -121,14 +146,42 @@ class Dispenser:
     def _publish(self, calls: list[Claimed], report: PassReport) -> None:
         """Publish claimed calls; put back at once whatever the broker did not take."""
         published = 0
+        report.per_message = self.per_message(len(calls))
         try:
-            publish_run_calls(calls)
+            publish_run_calls(calls, report.per_message)
             published = len(calls)
         except Exception as exc:  # the broker is down or refused: fail closed
             log.error("publish_failed error=%r published=%s put_back=%s", exc, published, len(calls) - published)
         report.published += published
         if published < len(calls):
             report.put_back += CallQueue.objects.put_back(calls[published:])
+
+    def per_message(self, claimed: int) -> int:
+        """Choose the calls per message for a pass that claimed ``claimed`` calls: its backlog is
+        these and the calls still waiting for a worker (dispatched, not started: how far the
+        workers lag), spread over the live workers' slots (``calls_per_message``)."""
+        most = dispatcher_settings.CALLS_PER_MESSAGE
+        if most <= 1 or claimed <= 1:
+            return 1  # no read at all: a lone call goes out at once
+        slots = self._worker_slots()
+        backlog = claimed
+        try:
+            # The count includes this pass's calls; bounded where more would not change the answer.
+            backlog = max(claimed, CallQueue.objects.at_workers((slots or UNKNOWN_SLOTS) * most + 1))
+        except DatabaseError as exc:
+            log.warning("backlog_count_failed error=%r; sizing messages by this pass alone", exc)
+        return calls_per_message(backlog, slots, most)
+
+    def _worker_slots(self) -> int | None:
+        """The live workers' slots, read at most once per SLOTS_FOR (None: no worker said)."""
+        moment = time.monotonic()
+        if self._slots is None or moment - self._slots[0] >= SLOTS_FOR:
+            try:
+                self._slots = (moment, liveness.worker_slots())
+            except DatabaseError as exc:
+                log.warning("worker_slots_failed error=%r", exc)
+                self._slots = (moment, None)
+        return self._slots[1]
 
     def loop(self, stop: threading.Event, max_passes: int | None = None) -> int:
         """Run passes until ``stop`` is set; sleep until the next slot or a wake-up."""
@@ -226,9 +279,10 @@ class Waiter:
 def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> None:
     """Publish the claimed calls, as ``apply_async`` would, in one write.
 
-    Each message carries one call (``dispatcher.run_call``) or, with
-    ``DISPATCHER_CALLS_PER_MESSAGE`` above 1, up to that many calls of one queue
-    (``dispatcher.run_calls``, run one after another by one worker process). The Celery
+    Each message carries one call (``dispatcher.run_call``) or up to ``per_message`` calls of
+    one queue (``dispatcher.run_calls``, started together and run at once by one worker slot;
+    ``Dispenser.per_message`` chooses it per pass, at most ``DISPATCHER_CALLS_PER_MESSAGE``,
+    the default here). The Celery
     message is built once per task and copied per message (``apply_async`` rebuilds it and
     re-reads the app's configuration every time); one producer and broker connection serve
     the batch, and ``producer.batch()`` pipelines the writes on Redis. Either the whole batch

@@ -20,6 +20,7 @@ from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
 from django.db import DatabaseError, IntegrityError, connection
+from django.db.models import DateTimeField, ExpressionWrapper, Sum, Value
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -48,8 +49,10 @@ def process_name(kind: str, label: str = "", *, pid: bool = True) -> str:
     return f"{name} pid {os.getpid()}" if pid else f"{name} on {socket.gethostname()}"
 
 
-def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:
-    """Record that this process is alive, at most once per interval; return whether it wrote."""
+def beat(kind: str, name: str | None = None, *, force: bool = False, slots: int | None = None) -> bool:
+    """Record that this process is alive, at most once per interval; return whether it wrote.
+
+    A worker says its pool's size (``slots``): dispensers size their messages by it."""
     name = name or process_name(kind)
     moment = time.monotonic()
     last = _last_beat.get(name)
@@ -57,10 +60,10 @@ def beat(kind: str, name: str | None = None, *, force: bool = False) -> bool:
         return False
     _last_beat[name] = moment
     try:
-        if not Heartbeat.objects.filter(name=name).update(seen_at=Now(), stopped_at=None):
+        if not Heartbeat.objects.filter(name=name).update(seen_at=Now(), stopped_at=None, slots=slots):
             Heartbeat.objects.filter(seen_at__lt=timezone.now() - FORGET_AFTER).delete()
             try:
-                Heartbeat.objects.create(name=name, kind=kind)
+                Heartbeat.objects.create(name=name, kind=kind, slots=slots)
             except IntegrityError:
                 pass  # another thread of this process wrote it first
     except DatabaseError as exc:
@@ -139,6 +142,17 @@ class Liveness:
         return result
 
 
+def worker_slots() -> int | None:
+    """The messages the live workers run at once, as their heartbeats say (None: none says)."""
+    timeout = dispatcher_settings.HEARTBEAT_TIMEOUT
+    alive = Heartbeat.objects.filter(
+        kind=WORKER, stopped_at__isnull=True, slots__isnull=False,
+        seen_at__gte=ExpressionWrapper(Now() - Value(timeout), output_field=DateTimeField()),
+    )
+    total = alive.aggregate(total=Sum("slots"))["total"]
+    return int(total) if total else None
+
+
 def read(now: datetime | None = None) -> Liveness:
     """Read every heartbeat (the table holds one row per process seen in the last day)."""
     return Liveness(
@@ -171,15 +185,16 @@ def stall(call: CallQueue, state: Liveness) -> str:
 class WorkerHeartbeat:
     """Beats for one Celery worker from a daemon thread until the worker shuts down."""
 
-    def __init__(self, hostname: str) -> None:
+    def __init__(self, hostname: str, slots: int | None = None) -> None:
         self.name = process_name(WORKER, hostname)
+        self.slots = slots
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="dispatcher-heartbeat", daemon=True)
 
     def run(self) -> None:
         try:
             while True:
-                beat(WORKER, self.name, force=True)
+                beat(WORKER, self.name, force=True, slots=self.slots)
                 if self.stop.wait(interval()):
                     break
             stopped(self.name)
@@ -193,7 +208,12 @@ _worker: WorkerHeartbeat | None = None
 def on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
     global _worker
     if _worker is None:
-        _worker = WorkerHeartbeat(getattr(sender, "hostname", "") or socket.gethostname())
+        # The consumer's controller is the WorkController: its concurrency is the pool's size.
+        slots = getattr(getattr(sender, "controller", None), "concurrency", None)
+        _worker = WorkerHeartbeat(
+            getattr(sender, "hostname", "") or socket.gethostname(),
+            slots if isinstance(slots, int) and slots > 0 else None,
+        )
         _worker.thread.start()
 
 

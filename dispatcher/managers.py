@@ -111,6 +111,10 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         """Return when the earliest call that is not yet due becomes due."""
         return dispense.next_due_at(self, now)
 
+    def at_workers(self, bound: int) -> int:
+        """Count the calls dispatched and not yet started, up to ``bound``."""
+        return dispense.at_workers(self, bound)
+
     def start(self, call_id: int, dispatch_no: int, worker: str = "", *, may_wait: timedelta = timedelta(0)) -> Started:
         """Move a dispatched call to running if its keys still have room; count the attempt."""
         return start.start(self, call_id, dispatch_no, worker, may_wait=may_wait)

@@ -166,6 +166,10 @@ class Heartbeat(models.Model):
     started_at = models.DateTimeField(db_default=Now())
     seen_at = models.DateTimeField(db_default=Now(), help_text="Its latest heartbeat.")
     stopped_at = models.DateTimeField(null=True, blank=True, help_text="Set when it shut down cleanly.")
+    slots = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="A worker's pool size: the messages it runs at once (dispensers size their messages by it).",
+    )
 
     class Meta:
         db_table = "dispatcher_heartbeat"

@@ -61,7 +61,7 @@ def run_call(call_id: int, dispatch_no: int) -> str:
 @shared_task(name=RUN_CALLS, ignore_result=True)
 def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
     """Run several deliveries (DISPATCHER_CALLS_PER_MESSAGE > 1): started together, their
-    handlers run at once, their outcomes recorded together (see ``worker.execute_many``)."""
+    handlers run at once, each outcome recorded as its handler returns (see ``worker.execute_many``)."""
     close_old_connections()
     try:
         return execute_many([(int(call_id), int(dispatch_no)) for call_id, dispatch_no in deliveries])

@@ -264,3 +264,9 @@ def put_back(manager: CallQueueManager, calls: Iterable[Claimed]) -> int:
 def next_due_at(manager: CallQueueManager, now: datetime) -> datetime | None:
     """Return when the earliest call that is not yet due becomes due."""
     return manager.filter(status=Status.PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()
+
+
+def at_workers(manager: CallQueueManager, bound: int) -> int:
+    """Count the calls dispatched and not yet started (in the broker or a worker's prefetch),
+    up to ``bound``: the backlog the workers have not caught up with."""
+    return manager.filter(status=Status.DISPATCHED).values("id")[:bound].count()

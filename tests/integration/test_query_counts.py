@@ -23,9 +23,11 @@ KEY_SETS = 3
 # transaction for all the key sets it serves: lock their keys, read the clock, count every
 # key's windows, claim the calls of every key set (one UPDATE ... RETURNING on PostgreSQL,
 # a SELECT and an UPDATE per key set on SQLite), move the counters (5 on PostgreSQL, plus
-# BEGIN/COMMIT); then, unless the pass filled its batch, the clock and the next due call (2).
-# On PostgreSQL none of it depends on how many calls or key sets the pass serves.
-PASS_QUERIES = {"postgresql": 11, "sqlite": 8 + 2 * KEY_SETS}
+# BEGIN/COMMIT); having moved two calls or more, its calls per message: the workers' slots (1, kept
+# for a second) and the calls not yet started (1); then, unless the pass filled its batch, the
+# clock and the next due call (2). On PostgreSQL none of it depends on how many calls or key sets
+# the pass serves.
+PASS_QUERIES = {"postgresql": 13, "sqlite": 10 + 2 * KEY_SETS}
 # One worker run of a call with one limited key, from message to done, in a worker that has
 # started a call before: read the call's head (1); start, in one transaction: lock the key, then
 # one statement reads the clock, the version of the policies the worker kept and the window
@@ -55,7 +57,7 @@ DELAY_QUERIES = {"postgresql": 1, "sqlite": 4}
 def published(monkeypatch):
     """Record what the dispenser publishes instead of writing to a broker."""
     sent: list = []
-    monkeypatch.setattr(dispenser_module, "publish_run_calls", lambda calls: sent.extend(calls))
+    monkeypatch.setattr(dispenser_module, "publish_run_calls", lambda calls, per_message=None: sent.extend(calls))
     return sent
 
 
