@@ -106,6 +106,20 @@ class Broker:
             except Exception:
                 return 0
 
+    def calls(self) -> int:
+        """Take every message off the queue; return how many calls they carry (a
+        ``dispatcher.run_calls`` message carries several)."""
+        carried = 0
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            for _ in range(self.length()):
+                message = channel.basic_get(self.queue, no_ack=True)
+                if message is None:
+                    break
+                args = message.decode()[0]
+                carried += len(args[0]) if message.headers.get("task") == "dispatcher.run_calls" else 1
+        return carried
+
     def wait_length(self, expected: int, timeout: float = 15) -> int:
         """Wait (bounded) for the broker to show ``expected`` messages; return what it shows."""
         deadline = time.monotonic() + timeout

@@ -7,6 +7,7 @@ import select
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,8 @@ from dispatcher import liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits import catalog, locks
+from dispatcher.keys import parse_key_set
+from dispatcher.limits import catalog, ledger, locks
 from dispatcher.managers import BatchClaim, Claimed
 from dispatcher.models import CallQueue
 from dispatcher.store import schema
@@ -147,8 +149,9 @@ class Dispenser:
         """Publish claimed calls; put back at once whatever the broker did not take."""
         published = 0
         report.per_message = self.per_message(len(calls))
+        alone = self.unanswered_key_sets(calls) if report.per_message > 1 else set()
         try:
-            publish_run_calls(calls, report.per_message)
+            publish_run_calls(calls, report.per_message, alone=alone)
             published = len(calls)
         except Exception as exc:  # the broker is down or refused: fail closed
             log.error("publish_failed error=%r published=%s put_back=%s", exc, published, len(calls) - published)
@@ -171,6 +174,20 @@ class Dispenser:
         except DatabaseError as exc:
             log.warning("backlog_count_failed error=%r; sizing messages by this pass alone", exc)
         return calls_per_message(backlog, slots, most)
+
+    def unanswered_key_sets(self, calls: list[Claimed]) -> set[str]:
+        """The key sets of these calls with a key no call has finished under yet: their calls go
+        one per message. A group starts all its calls at once, before the API's first answer
+        could teach its limit (learning.py); one call per message lets the first answers arrive
+        while the others wait their turn, as the workers' slots take them."""
+        key_sets = {call.key_set for call in calls}
+        keys = {key for key_set in key_sets for key in parse_key_set(key_set)}
+        try:
+            fresh = ledger.unanswered(sorted(keys))
+        except DatabaseError as exc:
+            log.warning("answered_read_failed error=%r; one call per message this pass", exc)
+            fresh = keys
+        return {key_set for key_set in key_sets if fresh.intersection(parse_key_set(key_set))}
 
     def _worker_slots(self) -> int | None:
         """The live workers' slots, read at most once per SLOTS_FOR (None: no worker said)."""
@@ -276,13 +293,35 @@ class Waiter:
         self.reset()
 
 
-def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> None:
+def plan_messages(
+    calls: list[Claimed], per_message: int, alone: Collection[str] = ()
+) -> list[tuple[str, str, tuple[Any, ...]]]:
+    """Return the messages (queue, task, args) that carry these calls: up to ``per_message`` calls
+    of one queue each, in their order, and the calls of the key sets in ``alone`` one each."""
+    by_queue: dict[str, list[Claimed]] = {}
+    messages: list[tuple[str, str, tuple[Any, ...]]] = []
+    for call in calls:
+        if per_message > 1 and call.key_set in alone:
+            messages.append((call.queue, RUN_CALL, (call.id, call.dispatch_no)))
+        else:
+            by_queue.setdefault(call.queue, []).append(call)
+    for queue_name, group in by_queue.items():
+        for start in range(0, len(group), per_message):
+            chunk = group[start : start + per_message]
+            if len(chunk) == 1:
+                messages.append((queue_name, RUN_CALL, (chunk[0].id, chunk[0].dispatch_no)))
+            else:
+                messages.append((queue_name, RUN_CALLS, ([[c.id, c.dispatch_no] for c in chunk],)))
+    return messages
+
+
+def publish_run_calls(calls: list[Claimed], per_message: int | None = None, alone: Collection[str] = ()) -> None:
     """Publish the claimed calls, as ``apply_async`` would, in one write.
 
     Each message carries one call (``dispatcher.run_call``) or up to ``per_message`` calls of
     one queue (``dispatcher.run_calls``, started together and run at once by one worker slot;
     ``Dispenser.per_message`` chooses it per pass, at most ``DISPATCHER_CALLS_PER_MESSAGE``,
-    the default here). The Celery
+    the default here); the calls of the key sets in ``alone`` go one per message. The Celery
     message is built once per task and copied per message (``apply_async`` rebuilds it and
     re-reads the app's configuration every time); one producer and broker connection serve
     the batch, and ``producer.batch()`` pipelines the writes on Redis. Either the whole batch
@@ -292,18 +331,7 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None) -> N
     """
     if not calls:
         return
-    per_message = max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE)
-    by_queue: dict[str, list[Claimed]] = {}
-    for call in calls:
-        by_queue.setdefault(call.queue, []).append(call)
-    messages: list[tuple[str, str, tuple[Any, ...]]] = []
-    for queue_name, group in by_queue.items():
-        for start in range(0, len(group), per_message):
-            chunk = group[start : start + per_message]
-            if len(chunk) == 1:
-                messages.append((queue_name, RUN_CALL, (chunk[0].id, chunk[0].dispatch_no)))
-            else:
-                messages.append((queue_name, RUN_CALLS, ([[c.id, c.dispatch_no] for c in chunk],)))
+    messages = plan_messages(calls, max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE), alone)
     # The tasks are named, not imported: dispatcher.tasks imports this module.
     app = current_app
     amqp = app.amqp

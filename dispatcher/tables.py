@@ -117,6 +117,12 @@ class KeyState(models.Model):
     weight = models.PositiveIntegerField(
         null=True, blank=True, help_text="Share of a shared key's room its key sets get against others (empty: 1)."
     )
+    # Set when a call of the key first finished (its API answered, or its handler returned):
+    # until then a dispenser sends the key's calls one per message, so that a group started at
+    # once cannot outrun what the first answers teach (learning.py).
+    answered_at = models.DateTimeField(
+        null=True, blank=True, help_text="When a call of the key first finished (until then its calls go one per message)."
+    )
 
     class Meta:
         db_table = "dispatcher_keystate"

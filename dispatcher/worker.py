@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from django.db import InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
 from dispatcher import arrivals
 from dispatcher.calls.dispense import DISPATCH_AHEAD
@@ -120,10 +120,20 @@ def execute(call_id: int, dispatch_no: int) -> str:
         return _run(call, attempt, started.capped)
     finally:
         _remember_delay(call.id, clock_read, noted)
+        _mark_answered(call.keys)
         reported = take_reported()
         if reported is not None:
             deltas = _record(CallQueue.objects.correct_cost, call, reported)
             log.info("run_cost_corrected call=%s change=%s", call.id, deltas)
+
+
+def _mark_answered(keys: Any) -> None:
+    """Note that calls of these keys have finished (dispensers then group them); never fails the call."""
+    try:
+        ledger.mark_answered(list(keys))
+    except DatabaseError as exc:
+        log.warning("answered_not_kept keys=%s error=%r", ",".join(keys)[:200], exc)
+        connections[CallQueue.objects.db].close()
 
 
 def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
@@ -374,6 +384,7 @@ def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
             largest[keys] = (run.call.id, measured)
     for call_id, measured in largest.values():
         _keep_delay(call_id, *measured)
+    _mark_answered(sorted({key for run, _ in ran for key in run.call.keys}))
 
 
 def _call_handler_in_pool(run: Run) -> Ran:

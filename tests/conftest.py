@@ -38,7 +38,9 @@ def pytest_collection_modifyitems(config, items) -> None:
 def _forget_learnt_limits():
     """Each test starts without this process's memory of limits already stored."""
     from dispatcher import learning
+    from dispatcher.limits import ledger
 
+    ledger._answered.clear()
     learning._stored.clear()
     learning._new_lessons.clear()
     learning._throttled.clear()

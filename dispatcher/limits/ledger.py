@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from django.db import connections, models, transaction
 from django.db.models import Q
+from django.db.models.functions import Now
 
 from dispatcher import tables
 from dispatcher.clock import db_now
@@ -78,6 +79,32 @@ def adjust(
         )
 
 
+
+
+# The keys this process has marked answered, per database: a key costs one write per process,
+# not one per call. Bounded; cleared when full (a key marked again costs one more write).
+_answered: set[tuple[str, str]] = set()
+MAX_ANSWERED = 10_000
+
+
+def mark_answered(keys: Sequence[str], using: str | None = None) -> None:
+    """Record that a call of these keys finished: from now on their calls may share messages."""
+    db = alias(using)
+    new = [key for key in keys if (db, key) not in _answered]
+    if not new:
+        return
+    tables.KeyState.objects.using(db).filter(key__in=new, answered_at__isnull=True).update(answered_at=Now())
+    if len(_answered) + len(new) > MAX_ANSWERED:
+        _answered.clear()
+    _answered.update((db, key) for key in new)
+
+
+def unanswered(keys: Sequence[str], using: str | None = None) -> set[str]:
+    """Return which of these keys no call has finished under yet (a key without a state row has none to wait for)."""
+    if not keys:
+        return set()
+    states = tables.KeyState.objects.using(alias(using))
+    return set(states.filter(key__in=list(keys), answered_at__isnull=True).values_list("key", flat=True))
 
 
 def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 
+from dispatcher import liveness
 from dispatcher.limits import edit
 from dispatcher.models import Attempt, CallQueue, StartLog
 from support.fakeapi import max_in_window
@@ -37,10 +38,13 @@ def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, f
     ]
     env = {"DISPATCHER_CALLS_PER_MESSAGE": "4"}
     procs.worker(procs.queue, concurrency=2, extra_env=env)
+    # The dispenser sizes messages by the slots the live workers say they have (2 here).
+    assert wait_until(lambda: liveness.worker_slots() == 2, timeout=30), procs.logs()
     procs.dispenser(extra_env=env)
     assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 10, timeout=60), procs.logs()
 
-    # Every call travelled in some message, none carried more than 4, and some carried several.
+    # Every call travelled in some message, none carried more than 4, and some carried several
+    # (the first second's five went alone: no call of the key had finished yet).
     # (A worker logs a message's outcome after its calls are recorded done: wait for the lines.)
     wait_until(lambda: sum(_calls_per_message(procs)) >= 10, timeout=15)
     sizes = _calls_per_message(procs)

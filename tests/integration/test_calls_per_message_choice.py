@@ -12,10 +12,11 @@ import pytest
 
 from dispatcher import dispenser as dispenser_module
 from dispatcher import liveness
-from dispatcher.dispenser import UNKNOWN_SLOTS, Dispenser, calls_per_message
+from dispatcher.dispenser import RUN_CALL, UNKNOWN_SLOTS, Dispenser, calls_per_message, plan_messages
 from dispatcher.limits import edit
-from dispatcher.models import Attempt, CallQueue, Heartbeat
-from dispatcher.worker import execute_many
+from dispatcher.managers import Claimed
+from dispatcher.models import Attempt, CallQueue, Heartbeat, KeyState
+from dispatcher.worker import execute, execute_many
 from support.processes import ROOT
 from tests.claims import claim
 
@@ -43,7 +44,7 @@ def published(monkeypatch):
     """What the dispenser publishes, with the calls per message it chose, instead of a broker write."""
     sent: list = []
     monkeypatch.setattr(
-        dispenser_module, "publish_run_calls", lambda calls, per_message=None: sent.append((len(calls), per_message))
+        dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(): sent.append((len(calls), per_message, len(alone)))
     )
     return sent
 
@@ -63,7 +64,7 @@ def test_a_shallow_backlog_goes_one_call_per_message(published):
     _backlog(3)
     report = Dispenser().run_once()
     assert report.moved == 3 and report.per_message == 1
-    assert published == [(3, 1)]
+    assert published == [(3, 1, 0)]
 
 
 @pytest.mark.django_db(transaction=True)
@@ -137,3 +138,44 @@ def test_a_slow_call_of_a_message_holds_back_no_other_result():
         # Recorded when its handler returned, not when the slow one did.
         assert slow_done - attempts[call.id].finished_at > timedelta(seconds=2)
         assert CallQueue.objects.get(id=call.id).status == "done"
+
+
+def _claimed(key_set: str, n: int) -> list[Claimed]:
+    return [Claimed(id=i, dispatch_no=1, queue="q", key_set=key_set) for i in range(n)]
+
+
+def test_the_calls_of_key_sets_sent_alone_go_one_per_message_and_the_rest_share():
+    calls = _claimed('["fresh"]', 3) + _claimed('["heard"]', 5)
+    messages = plan_messages(calls, 4, alone={'["fresh"]'})
+    sizes = [1 if task == RUN_CALL else len(args[0]) for _, task, args in messages]
+    assert sizes == [1, 1, 1, 4, 1]
+    assert sum(sizes) == len(calls)
+    carried = [c for _, task, args in messages for c in ([list(args)] if task == RUN_CALL else args[0])]
+    assert sorted(c[0] for c in carried) == sorted(c.id for c in calls)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keys_no_call_has_finished_under_go_one_per_message_until_one_does(published):
+    """A group starts its calls at once, before the API's first answer could teach its limit:
+    the calls of a key go one per message until a call of it has finished."""
+    _worker("worker a", 1)
+    edit.set_policy("api:*", 1_000_000, timedelta(seconds=1))
+    CallQueue.objects.send_many(
+        [{"method": "noop", "keys": ["api:a"]} for _ in range(6)]
+        + [{"method": "noop", "keys": ["api:a", "api:b"]} for _ in range(6)]
+        + [{"method": "noop", "keys": ["api:c"]} for _ in range(6)]
+    )
+    dispenser = Dispenser(batch=3)
+    dispenser.run_once()
+    # Three calls, one of each key set, over one slot: three per message, but every key set is
+    # new, so each call goes alone.
+    assert published == [(3, 3, 3)]
+    # A worker finishes a call of api:a: api:a's calls share messages; api:a + api:b's still wait
+    # for api:b, and api:c's for their own.
+    call = CallQueue.objects.filter(status="dispatched").first()
+    assert execute(call.id, call.dispatch_no) == "done"
+    CallQueue.objects.filter(status="dispatched").update(status="done")
+    assert KeyState.objects.get(key="api:a").answered_at is not None
+    claims = [d.unanswered_key_sets(claim(k, 1).calls) for d, k in
+              [(dispenser, '["api:a"]'), (dispenser, '["api:a","api:b"]'), (dispenser, '["api:c"]')]]
+    assert claims == [set(), {'["api:a","api:b"]'}, {'["api:c"]'}]
