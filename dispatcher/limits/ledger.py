@@ -93,7 +93,13 @@ def mark_answered(keys: Sequence[str], using: str | None = None) -> None:
     new = [key for key in keys if (db, key) not in _answered]
     if not new:
         return
-    tables.KeyState.objects.using(db).filter(key__in=new, answered_at__isnull=True).update(answered_at=Now())
+    states = tables.KeyState.objects.using(db)
+    # One statement per key, each its own transaction: a statement updating several rows locks
+    # them in the order it finds them, and a start holding one while it waits for another would
+    # deadlock with it (every locker of several keys takes them in key order); one row at a time
+    # holds at most one lock.
+    for key in sorted(new):
+        states.filter(key=key, answered_at__isnull=True).update(answered_at=Now())
     if len(_answered) + len(new) > MAX_ANSWERED:
         _answered.clear()
     _answered.update((db, key) for key in new)
@@ -165,7 +171,8 @@ def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], u
 def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:
     """Pause keys until the given time, never shortening a longer pause already set."""
     states = tables.KeyState.objects.using(alias(using))
-    for key in keys:
+    # In key order, as every locker of several keys (a caller's transaction keeps each row locked).
+    for key in sorted(set(keys)):
         states.bulk_create([tables.KeyState(key=key)], ignore_conflicts=True)
         states.filter(Q(key=key) & (Q(paused_until__isnull=True) | Q(paused_until__lt=until))).update(
             paused_until=until, pause_reason=reason[:200]

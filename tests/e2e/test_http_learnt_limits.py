@@ -62,10 +62,15 @@ def test_the_threads_pool_shares_one_pooled_client(procs, fake_api):
 
     for n in range(30):
         CallQueue.objects.send("http", {"method": "GET", "url": f"{fake_api.url}/ok", "headers": {"x-call": str(n)}})
+    # One call per message: the pool's 4 threads are then the most requests in flight at once (a
+    # message of several calls runs them on threads of its own, up to MESSAGE_THREADS), so a
+    # client per call (or per thread beyond them) would show as more connections than 4.
+    env = {"DISPATCHER_CALLS_PER_MESSAGE": "1"}
     procs.start(
         "worker", sys.executable, "-m", "celery", "-A", "project", "worker", "-Q", procs.queue, "-P", "threads",
         "-c", "4", "-l", "info", "--without-mingle", "--without-gossip", "--without-heartbeat", "-n", "threads@%h",
+        extra_env=env,
     )
-    procs.dispenser()
+    procs.dispenser(extra_env=env)
     assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 30, timeout=60), procs.logs()
     assert fake_api.connections <= 4, f"{fake_api.connections} connections for 30 calls from 4 threads"

@@ -184,3 +184,18 @@ def test_a_send_delay_write_of_several_keys_takes_them_in_key_order():
             assert [s.key for s in KeyState.objects.select_for_update(nowait=True).filter(key="order:b")] == ["order:b"]
     assert write.join() == 2
     assert set(KeyState.objects.filter(key__startswith="order:").values_list("send_delay_us", flat=True)) == {7000}
+
+
+def test_marking_several_keys_answered_holds_one_key_at_a_time():
+    # Rows placed in the table against key order ("b" before "a"): an UPDATE finds them that way.
+    locks.lock_keys(["order:b"])
+    locks.lock_keys(["order:a"])
+    # A start of both keys holds "order:a" and will ask for "order:b" next.
+    with held_elsewhere(lambda: locks.lock_keys(["order:a"])):
+        mark = InThread(lambda: ledger.mark_answered(["order:b", "order:a"]))
+        assert wait_until(mark.waits_for_a_lock, BOUND)
+        # The mark waits for "a" holding nothing, so the start gets "b" (else: a deadlock).
+        with transaction.atomic():
+            assert [s.key for s in KeyState.objects.select_for_update(nowait=True).filter(key="order:b")] == ["order:b"]
+    mark.join()
+    assert KeyState.objects.filter(key__startswith="order:", answered_at__isnull=True).count() == 0
