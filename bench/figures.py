@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.console import console
+from bench.cpu import Meter
 from bench.fairness import fair_shares
 from bench.hotkey import hot_key
 from bench.pacing import paced_at_the_api
@@ -415,6 +416,7 @@ def completed_calls(ctx: Context) -> list[Figure]:
             reset_tables()
             # Keys with a policy, as real calls have: every start and finish goes through the limiter.
             edit.set_policy("done:*", 1_000_000, timedelta(seconds=1))
+            _answered_before([f"done:{i}" for i in range(10)])
             backlog(n, keys=[f"done:{i}" for i in range(10)])
             env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
             dispenser = procs.dispenser(extra_env=env)
@@ -462,6 +464,9 @@ class _HttpWorkload:
         self.procs = ctx.processes(**_http_env(), **env)
         self.client = redis.Redis.from_url(ctx.redis_url)
         self.counter = f"bench-http-{uuid.uuid4().hex[:8]}"
+        # CPU seconds per kind of process, per phase (bench.cpu): what bounds each row.
+        self.meter = Meter()
+        self.cpu: dict[str, list[dict[str, float]]] = {}
 
     def worker(self, threads: int, **env: str):
         """Start a `-P threads` worker and wait until it runs a plain task (its client made)."""
@@ -481,12 +486,15 @@ class _HttpWorkload:
         from support.processes import wait_until
 
         self.client.set(self.counter, 0)
+        self.meter.start()
         started = time.perf_counter()
         for _ in range(self.n):
             http_get.apply_async((self.url, self.counter), queue=self.ctx.queue)
         check(wait_until(lambda: int(self.client.get(self.counter) or 0) >= self.n, 300, interval=0.05),
               "plain tasks lost")
-        return time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.cpu.setdefault("plain", []).append(self.meter.stop())
+        return seconds
 
     def ours(self, per_message: int | None = 1) -> float:
         """Seconds for n http calls, from the first start to the last finish; none lost or run twice
@@ -497,12 +505,15 @@ class _HttpWorkload:
 
         reset_tables()
         edit.set_policy("api", 1_000_000, timedelta(seconds=1))
+        _answered_before(["api"])
         CallQueue.objects.send_many(
             [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
         )
         env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
+        self.meter.start()
         dispenser = self.procs.dispenser(extra_env=env)
         check(_wait_done(self.n, 600), f"only {count_status('done')} of {self.n} calls done")
+        self.cpu.setdefault(str(per_message or "default"), []).append(self.meter.stop())
         self.procs.stop(dispenser)
         check(CallQueue.objects.filter(status="done").count() == self.n, "calls lost")
         check(Attempt.objects.count() == self.n, "a call ran twice")
@@ -514,6 +525,18 @@ class _HttpWorkload:
         self.api.stop()
         self.client.delete(self.counter)
         self.client.close()
+
+
+def _answered_before(keys: list[str]) -> None:
+    """Mark keys answered, as keys a site has called before are (the tables were just emptied): the
+    measured backlog is a key in use, whose calls may share messages from the first pass. A key no
+    call has finished under sends its calls one per message until one does (README)."""
+    from django.db.models.functions import Now
+
+    from dispatcher.models import KeyState
+
+    KeyState.objects.bulk_create([KeyState(key=key) for key in keys], ignore_conflicts=True)
+    KeyState.objects.filter(key__in=keys).update(answered_at=Now())
 
 
 def _http_figure(what: str, n: int, seconds: list[float], plain_seconds: list[float], target: float = 0.8,
@@ -556,6 +579,9 @@ def http_threads(ctx: Context) -> list[Figure]:
                 seconds.append(load.ours(per_message))
     finally:
         load.close()
+    per_call = {phase: _cpu_ms_per_call(phases, n) for phase, phases in load.cpu.items()}
+    for phase, spent in per_call.items():
+        print(f"CPU ms per call, {phase}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items()), flush=True)
     return [
         _http_figure(
             "1 worker -P threads -c 32, "
@@ -563,9 +589,16 @@ def http_threads(ctx: Context) -> list[Figure]:
             + (f", {rounds} runs" if rounds > 1 else ""),
             n, seconds, plain_seconds, target=1.0 if per_message is None else 0.8,
             calls_per_message=per_message or "default", threads=32, rounds=rounds, connections=load.api.connections,
+            cpu_ms_per_call=per_call.get(str(per_message or "default")), plain_cpu_ms_per_call=per_call.get("plain"),
         )
         for per_message, seconds in runs.items()
     ]
+
+
+def _cpu_ms_per_call(phases: list[dict[str, float]], n: int) -> dict[str, float]:
+    """CPU milliseconds per call of each kind of process over a row's phases, and their total."""
+    spent = {kind: 1000 * sum(phase[kind] for phase in phases) / (n * len(phases)) for kind in phases[0]}
+    return {**spent, "total": sum(spent.values())}
 
 
 def http_threads_helper(ctx: Context) -> list[Figure]:
@@ -589,6 +622,9 @@ def http_threads_helper(ctx: Context) -> list[Figure]:
                 load.procs.stop(worker)
     finally:
         load.close()
+    per_call = {phase: _cpu_ms_per_call(phases, n) for phase, phases in load.cpu.items()}
+    for phase, spent in per_call.items():
+        print(f"CPU ms per call, {phase}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items()), flush=True)
     return [
         _http_figure(
             "1 worker -P threads -c 32, " + ("starts and finishes in a helper process" if helped else "as it is")
