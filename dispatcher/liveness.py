@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from celery.concurrency import get_implementation
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from celery.signals import worker_ready, worker_shutdown
 from django.db import DatabaseError, IntegrityError, connection
 from django.db.models import DateTimeField, ExpressionWrapper, Sum, Value
@@ -203,17 +205,40 @@ class WorkerHeartbeat:
 
 
 _worker: WorkerHeartbeat | None = None
+# The pool size of the worker whose main process this is, with that process's pid.
+_main_slots: tuple[int, int] | None = None
+
+
+def process_slots() -> int | None:
+    """How many tasks this process runs at once, when it is a worker's main process (threads,
+    gevent, eventlet or solo pool: the pool's size); None in a prefork child, which runs one
+    task at a time, and in any other process."""
+    if _main_slots is None or _main_slots[0] != os.getpid():
+        return None
+    return _main_slots[1]
+
+
+def _forks(pool_cls: Any) -> bool:
+    """Whether a worker's pool class (or its alias) runs tasks in child processes (prefork)."""
+    if isinstance(pool_cls, str):
+        try:
+            pool_cls = get_implementation(pool_cls)
+        except (ImportError, AttributeError, KeyError):
+            return True  # unknown: assume the worst, no process-wide size
+    return isinstance(pool_cls, type) and issubclass(pool_cls, PreforkPool)
 
 
 def on_worker_ready(sender: Any = None, **kwargs: Any) -> None:
-    global _worker
+    global _worker, _main_slots
     if _worker is None:
         # The consumer's controller is the WorkController: its concurrency is the pool's size.
         slots = getattr(getattr(sender, "controller", None), "concurrency", None)
-        _worker = WorkerHeartbeat(
-            getattr(sender, "hostname", "") or socket.gethostname(),
-            slots if isinstance(slots, int) and slots > 0 else None,
-        )
+        slots = slots if isinstance(slots, int) and slots > 0 else None
+        # A prefork pool's tasks run in its children (forked before this signal, or later with
+        # the parent's memory): the size is theirs together, never one process's.
+        if slots is not None and not _forks(getattr(getattr(sender, "controller", None), "pool_cls", None)):
+            _main_slots = (os.getpid(), slots)
+        _worker = WorkerHeartbeat(getattr(sender, "hostname", "") or socket.gethostname(), slots)
         _worker.thread.start()
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, connections
 
-from dispatcher import arrivals
+from dispatcher import arrivals, liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.calls.start import StartState
 from dispatcher.combiner import StartCombiner
@@ -316,21 +316,40 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     return outcomes
 
 
-# The threads that run messages' handlers, kept by each process and reused (started as needed,
-# up to this many): starting a message's threads anew was ~8% of a grouped -c 32 worker's GIL time.
-HANDLER_THREADS = 512
-_pool: tuple[int, ThreadPoolExecutor] | None = None
+# The threads that run messages' handlers, kept by each process and reused (started as needed):
+# starting a message's threads anew was ~8% of a grouped -c 32 worker's GIL time. Their number
+# is the process's whole budget of handlers at once (``handler_threads``); what a message hands
+# over beyond it waits in the pool's queue for a thread.
+_pool: tuple[tuple[int, int], ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
+def handler_threads() -> int:
+    """How many handlers of messages one process runs at once: its worker's pool size where that
+    is one process's (threads, gevent: the ``-c`` its slots take), else MESSAGE_THREADS (a
+    prefork child, which takes one message at a time).
+
+    Not the slots times MESSAGE_THREADS: every thread at work in one process shares its GIL,
+    and past about 40 of them at once a -c 32 worker's CPU per call doubled (2.3 ms at 32 to 4.4-
+    5.7 ms at 256, the rate falling with it; httpx alone, one client: 0.8-1.0 ms per request at up
+    to 64 threads at once, 4.7-7.8 ms at 96 and more). A worker of ``-P threads -c N`` so has at
+    most N calls in flight, as a plain Celery worker of the same pool has.
+    """
+    return max(MESSAGE_THREADS, liveness.process_slots() or 0)
+
+
 def _handler_pool() -> ThreadPoolExecutor:
-    """This process's pool of handler threads (a forked child makes its own)."""
+    """This process's pool of handler threads (a forked child makes its own; one made before the
+    worker said its size is replaced once it has)."""
     global _pool
-    pid = os.getpid()
-    if _pool is None or _pool[0] != pid:
+    key = (os.getpid(), handler_threads())
+    if _pool is None or _pool[0] != key:
         with _pool_lock:
-            if _pool is None or _pool[0] != pid:
-                _pool = (pid, ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="dispatcher-call"))
+            if _pool is None or _pool[0] != key:
+                old = _pool[1] if _pool is not None and _pool[0][0] == key[0] else None
+                _pool = (key, ThreadPoolExecutor(max_workers=key[1], thread_name_prefix="dispatcher-call"))
+                if old is not None:
+                    old.shutdown(wait=False)  # its handlers at work finish; its threads then end
     return _pool[1]
 
 

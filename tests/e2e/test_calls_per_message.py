@@ -71,3 +71,43 @@ def test_a_stale_delivery_in_a_message_does_not_stop_the_others(procs, fake_api)
     assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 2, timeout=30), procs.logs()
     assert f"run_skipped call={first.id}" in procs.logs()
     assert Attempt.objects.filter(call__in=[first, second]).count() == 2
+
+
+def test_a_threads_worker_runs_no_more_calls_at_once_than_its_concurrency(procs, fake_api):
+    """Messages of several calls under a deep backlog: a `-P threads -c 6` worker's process runs
+    at most max(6, MESSAGE_THREADS) handlers at once, not 6 messages times MESSAGE_THREADS (the
+    process's one GIL: past about 40 threads at work its CPU per call doubled, worker.handler_threads)."""
+    from dispatcher.worker import MESSAGE_THREADS
+
+    slots = 12
+    bound = max(slots, MESSAGE_THREADS)
+    edit.set_policy("partner", 1_000_000, timedelta(seconds=1))
+    liveness_key_answered("partner")
+    calls = 120
+    CallQueue.objects.send_many(
+        [{"method": "http", "params": {"method": "GET", "url": f"{fake_api.url}/slow?delay=0.2"}, "keys": ["partner"]}
+         for _ in range(calls)]
+    )
+    procs.worker(procs.queue, concurrency=slots, pool="threads")
+    assert wait_until(lambda: liveness.worker_slots() == slots, timeout=30), procs.logs()
+    procs.dispenser()
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == calls, timeout=90), procs.logs()
+    wait_until(lambda: sum(_calls_per_message(procs)) >= calls, timeout=15)
+    sizes = _calls_per_message(procs)
+    # The backlog went in messages of several calls (120 over 12 slots: 10 each) ...
+    assert sum(sizes) == calls and max(sizes) > MESSAGE_THREADS, sizes
+    # ... and the API never had more of them at once than the worker's concurrency (the old
+    # bound, 12 messages x 8 threads, let 96 through).
+    assert fake_api.max_serving <= bound, f"{fake_api.max_serving} requests at once from a -c {slots} worker"
+    assert fake_api.max_serving >= MESSAGE_THREADS, "the messages' calls did not run at once"
+    assert Attempt.objects.count() == calls
+
+
+def liveness_key_answered(key: str) -> None:
+    """Mark a key answered, as a key in use is: its calls may share messages from the first pass."""
+    from django.db.models.functions import Now
+
+    from dispatcher.models import KeyState
+
+    KeyState.objects.bulk_create([KeyState(key=key)], ignore_conflicts=True)
+    KeyState.objects.filter(key=key).update(answered_at=Now())
