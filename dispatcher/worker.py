@@ -333,7 +333,7 @@ def handler_threads() -> int:
     and past about 40 of them at once a -c 32 worker's CPU per call doubled (2.3 ms at 32 to 4.4-
     5.7 ms at 256, the rate falling with it; httpx alone, one client: 0.8-1.0 ms per request at up
     to 64 threads at once, 4.7-7.8 ms at 96 and more). A worker of ``-P threads -c N`` so has at
-    most N calls in flight, as a plain Celery worker of the same pool has.
+    most max(N, 8) calls in flight, as a plain Celery worker of the same pool has N.
     """
     return max(MESSAGE_THREADS, liveness.process_slots() or 0)
 
