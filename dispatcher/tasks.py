@@ -5,14 +5,14 @@ import logging
 import sys
 
 from celery import shared_task
-from django.db import close_old_connections, connection
+from django.db import connection
 
 from dispatcher import liveness
 from dispatcher.beat import DISPENSE, PRUNE, RESCUE
 from dispatcher.conf import dispatcher_settings
 from dispatcher.dispenser import RUN_CALL, RUN_CALLS, Dispenser
 from dispatcher.models import CallQueue
-from dispatcher.worker import execute, execute_many
+from dispatcher.worker import begin_task, execute, execute_many
 
 log = logging.getLogger("dispatcher")
 
@@ -51,7 +51,7 @@ def run_call(call_id: int, dispatch_no: int) -> str:
     """Run one delivery of a call (a stale or duplicate delivery does nothing); say what it did."""
     # Workers keep their connection across tasks (CELERY_DB_REUSE_MAX); drop it here if it
     # failed or outlived CONN_MAX_AGE, as Django does at the start of a request.
-    close_old_connections()
+    begin_task()
     try:
         return describe_delivery(call_id, execute(call_id, dispatch_no))
     finally:
@@ -62,7 +62,7 @@ def run_call(call_id: int, dispatch_no: int) -> str:
 def run_calls(deliveries: list[list[int]]) -> dict[str, int]:
     """Run several deliveries (DISPATCHER_CALLS_PER_MESSAGE > 1): started together, their
     handlers run at once, each outcome recorded as its handler returns (see ``worker.execute_many``)."""
-    close_old_connections()
+    begin_task()
     try:
         return execute_many([(int(call_id), int(dispatch_no)) for call_id, dispatch_no in deliveries])
     finally:

@@ -9,13 +9,14 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, InterfaceError, OperationalError, connections
+from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
 
 from dispatcher import arrivals, liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
@@ -175,11 +176,42 @@ class Outcome:
     traceback: str = ""
 
 
+def begin_task() -> None:
+    """Ready this thread's database connections for a task, as Django readies them for a request
+    (``close_old_connections``: one that failed or outlived CONN_MAX_AGE is closed), but without
+    the health check (CONN_HEALTH_CHECKS) Django would then make before the first query.
+
+    That query is the call's start, or its finish, which ``_record`` retries on a new connection
+    if this one was lost; the check's ``SELECT 1`` was a round trip per task, about 1.5 ms of a
+    lone call's send -> API path. A handler's own queries are still checked (``_checked``).
+    """
+    close_old_connections()
+    _set_checked(True)
+
+
+def _set_checked(done: bool) -> None:
+    """Mark this thread's open connections checked (our statements) or due for a check (a handler's)."""
+    for conn in connections.all(initialized_only=True):
+        if conn.connection is not None:
+            conn.health_check_done = done  # type: ignore[attr-defined]  # Django >= 4.1; not in the stubs
+
+
+@contextmanager
+def _checked() -> Iterator[None]:
+    """Around a handler: its first query on each kept connection is health-checked first, as a
+    request's is (CONN_HEALTH_CHECKS on); what we record after it is not (``begin_task``)."""
+    _set_checked(False)
+    try:
+        yield
+    finally:
+        _set_checked(True)
+
+
 def _call_handler(call: Any) -> Outcome:
     """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
         fn = get_handler(call.method).fn
-        with running(call):  # what the handler reports (cost, send, the API's signals) applies to
+        with running(call), _checked():  # what the handler reports (cost, send, the API's signals) applies to
             arrivals.mark_invoked()
             result = fn(**call.params)
     except RateLimited as exc:
