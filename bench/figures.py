@@ -29,6 +29,7 @@ from bench.support import (
     rss_mb,
 )
 from dispatcher.limits import edit
+from support.keys import mark_answered
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -416,7 +417,7 @@ def completed_calls(ctx: Context) -> list[Figure]:
             reset_tables()
             # Keys with a policy, as real calls have: every start and finish goes through the limiter.
             edit.set_policy("done:*", 1_000_000, timedelta(seconds=1))
-            _answered_before([f"done:{i}" for i in range(10)])
+            mark_answered([f"done:{i}" for i in range(10)])
             backlog(n, keys=[f"done:{i}" for i in range(10)])
             env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
             dispenser = procs.dispenser(extra_env=env)
@@ -505,7 +506,7 @@ class _HttpWorkload:
 
         reset_tables()
         edit.set_policy("api", 1_000_000, timedelta(seconds=1))
-        _answered_before(["api"])
+        mark_answered(["api"])
         CallQueue.objects.send_many(
             [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
         )
@@ -525,18 +526,6 @@ class _HttpWorkload:
         self.api.stop()
         self.client.delete(self.counter)
         self.client.close()
-
-
-def _answered_before(keys: list[str]) -> None:
-    """Mark keys answered, as keys a site has called before are (the tables were just emptied): the
-    measured backlog is a key in use, whose calls may share messages from the first pass. A key no
-    call has finished under sends its calls one per message until one does (README)."""
-    from django.db.models.functions import Now
-
-    from dispatcher.models import KeyState
-
-    KeyState.objects.bulk_create([KeyState(key=key) for key in keys], ignore_conflicts=True)
-    KeyState.objects.filter(key__in=keys).update(answered_at=Now())
 
 
 def _http_figure(what: str, n: int, seconds: list[float], plain_seconds: list[float], target: float = 0.8,
@@ -579,9 +568,7 @@ def http_threads(ctx: Context) -> list[Figure]:
                 seconds.append(load.ours(per_message))
     finally:
         load.close()
-    per_call = {phase: _cpu_ms_per_call(phases, n) for phase, phases in load.cpu.items()}
-    for phase, spent in per_call.items():
-        print(f"CPU ms per call, {phase}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items()), flush=True)
+    per_call = _cpu_per_call(load.cpu, n)
     return [
         _http_figure(
             "1 worker -P threads -c 32, "
@@ -593,6 +580,14 @@ def http_threads(ctx: Context) -> list[Figure]:
         )
         for per_message, seconds in runs.items()
     ]
+
+
+def _cpu_per_call(cpu: dict[str, list[dict[str, float]]], n: int) -> dict[str, dict[str, float]]:
+    """Each phase's CPU milliseconds per call by kind of process (``_cpu_ms_per_call``), printed."""
+    per_call = {phase: _cpu_ms_per_call(phases, n) for phase, phases in cpu.items()}
+    for phase, spent in per_call.items():
+        print(f"CPU ms per call, {phase}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items()), flush=True)
+    return per_call
 
 
 def _cpu_ms_per_call(phases: list[dict[str, float]], n: int) -> dict[str, float]:
@@ -622,9 +617,7 @@ def http_threads_helper(ctx: Context) -> list[Figure]:
                 load.procs.stop(worker)
     finally:
         load.close()
-    per_call = {phase: _cpu_ms_per_call(phases, n) for phase, phases in load.cpu.items()}
-    for phase, spent in per_call.items():
-        print(f"CPU ms per call, {phase}: " + ", ".join(f"{kind} {ms:.2f}" for kind, ms in spent.items()), flush=True)
+    _cpu_per_call(load.cpu, n)  # printed beside the rows
     return [
         _http_figure(
             "1 worker -P threads -c 32, " + ("starts and finishes in a helper process" if helped else "as it is")

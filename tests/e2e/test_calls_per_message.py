@@ -11,6 +11,7 @@ from dispatcher import liveness
 from dispatcher.limits import edit
 from dispatcher.models import Attempt, CallQueue, StartLog
 from support.fakeapi import max_in_window
+from support.keys import mark_answered
 from support.processes import wait_until
 from tests.claims import claim
 
@@ -28,23 +29,11 @@ def _calls_per_message(procs) -> list[int]:
     return [1] * single + batched
 
 
-def answered(key: str) -> None:
-    """Mark a key answered, as a key in use is (a call of it has finished): its calls may share
-    messages from the first pass. A key no call has finished under sends its calls one per
-    message until one does (tests/integration/test_calls_per_message_choice.py)."""
-    from django.db.models.functions import Now
-
-    from dispatcher.models import KeyState
-
-    KeyState.objects.bulk_create([KeyState(key=key)], ignore_conflicts=True)
-    KeyState.objects.filter(key=key).update(answered_at=Now())
-
-
 def test_calls_share_messages_and_each_still_runs_once_within_its_limit(procs, fake_api):
     edit.set_policy("partner", 5, timedelta(seconds=1))
     # A key in use: otherwise its first calls go alone and, started one by one, leave the window
     # one by one, so every later pass finds room for one call only (seen in CI: ten messages of one).
-    answered("partner")
+    mark_answered(["partner"])
     calls = [
         CallQueue.objects.send(
             "http", {"method": "GET", "url": f"{fake_api.url}/ok/{i}"}, keys=["partner"]
@@ -97,7 +86,7 @@ def test_a_threads_worker_runs_no_more_calls_at_once_than_its_concurrency(procs,
     slots = 12
     bound = max(slots, MESSAGE_THREADS)
     edit.set_policy("partner", 1_000_000, timedelta(seconds=1))
-    answered("partner")
+    mark_answered(["partner"])
     calls = 120
     CallQueue.objects.send_many(
         [{"method": "http", "params": {"method": "GET", "url": f"{fake_api.url}/slow?delay=0.2"}, "keys": ["partner"]}
