@@ -1,14 +1,14 @@
 """dispatcher: calls to rate-limited APIs as a durable, exactly paced stream."""
 from typing import Any
 
-from dispatcher.arrivals import mark_sent
+from dispatcher.arrivals import mark_sent, marks_sent
 from dispatcher.costs import report_cost
 from dispatcher.exceptions import CostNeverFits, InvalidCall, InvalidCost, PermanentError, RateLimited
 from dispatcher.registry import handler
 
 __all__ = [
     "handler", "RateLimited", "PermanentError", "InvalidCall", "InvalidCost", "CostNeverFits", "report_cost",
-    "report_rate_limit", "mark_sent",
+    "report_rate_limit", "mark_sent", "marks_sent",
 ]
 
 

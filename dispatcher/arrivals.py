@@ -2,41 +2,81 @@
 
 A start is recorded on the database clock; the API counts the request when it arrives. The
 worker notes its own monotonic clock just before the query that reads the database clock for a
-start (``mark_clock``) and again when the handler hands the request to the network
+start (``reading_clock``) and again when the handler hands the request to the network
 (``mark_sent``: the http handler does it when the request's headers go out; another handler
 may call ``dispatcher.mark_sent()``, else the moment it is invoked counts). The difference is
 an upper bound of the delay on the database's own time scale, with no clock offset between
 hosts in it. ``dispatcher.limits.ledger.remember_send_delay`` keeps the largest delays per key;
 every claim and start then absorbs them (``guard.learnt_delay``).
+
+Send-time pacing: a key whose policies are all buckets (a smooth rate, a token bucket) does not
+absorb the delay in its guard. Its buckets judge and charge each start at the start plus the
+delay measured lately (the hold), and the worker holds the request until then, counted on its
+own monotonic clock from just after the start read the database's (``hold``): a request leaves no
+sooner than the moment its bucket was judged at, and the guard covers only what a hold leaves
+(``HOLD_SPREAD``) and the network. Such a key remembers the delay measured before the hold (``Sent.natural``), so a
+hold never feeds itself; every other key the delay after it. The built-in http handler holds the
+request just before its headers are written; another handler is held before it is invoked,
+unless it is registered with ``marks_sent`` (then where it calls ``mark_sent``).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from dispatcher.limits.guard import DelayMemory, remember_delay
 from dispatcher.running import carry, here
 
-# What a start noted: each key's memory span, what its memory held, the start's database time.
+# What a start noted: each key's memory span, what its memory held, the start's database time,
+# what its guard allows a request after the start, its buckets' periods, its hold (held keys only).
 Noted = tuple[
-    dict[str, timedelta], dict[str, DelayMemory], datetime, dict[str, timedelta], dict[str, list[timedelta]]
+    dict[str, timedelta], dict[str, DelayMemory], datetime, dict[str, timedelta], dict[str, list[timedelta]],
+    dict[str, timedelta],
 ]
 
+# Handlers that mark their send themselves (``mark_sent``): held there, not when invoked.
+_marks_sent: set[Callable[..., Any]] = set()
 
-def mark_clock() -> None:
-    """Note that the database clock is about to be read for a start (called before the query)."""
-    here().clock_read = time.monotonic()
+
+class Sent(NamedTuple):
+    """A call's start-to-send delay: the request's (after any hold), and the one before the hold."""
+
+    delay: timedelta
+    natural: timedelta
+
+    def most(self, other: Sent | None) -> Sent:
+        """Return the larger of each delay."""
+        return self if other is None else Sent(max(self.delay, other.delay), max(self.natural, other.natural))
+
+
+def marks_sent(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Say that a handler calls ``mark_sent`` as its request goes out (its hold is kept there)."""
+    _marks_sent.add(fn)
+    return fn
+
+
+@contextmanager
+def reading_clock() -> Iterator[None]:
+    """Around the query that reads the database clock for a start: this thread's monotonic time
+    just before it (the send is measured from it, an upper bound) and just after it (a request is
+    held from it, a lower bound)."""
+    run = here()
+    run.clock_read, run.clock_after = time.monotonic(), None
+    yield
+    run.clock_after = time.monotonic()
 
 
 def note_start(
     spans: dict[str, timedelta], kept: dict[str, DelayMemory], now: datetime, learnt: dict[str, timedelta],
-    buckets: dict[str, list[timedelta]],
+    buckets: dict[str, list[timedelta]], holds: dict[str, timedelta] | None = None,
 ) -> None:
     """Remember, for the start being judged, how long each key keeps its measured delays, what it
-    kept at ``now`` (so a worker writes only a delay that changes it), the delay each key's guard
-    was learnt from and the periods of its buckets."""
-    here().noted = (spans, kept, now, learnt, buckets)
+    kept at ``now`` (so a worker writes only a delay that changes it), what each key's guard
+    allows a request after its start, the periods of its buckets and the holds of held keys."""
+    here().noted = (spans, kept, now, learnt, buckets, dict(holds or {}))
 
 
 def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timedelta], timedelta]]:
@@ -45,7 +85,7 @@ def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timed
     known then: a later send must move it on by the difference)."""
     if noted is None:
         return {}
-    _, _, _, learnt, buckets = noted
+    _, _, _, learnt, buckets, _ = noted
     return {
         key: (periods, delay - learnt.get(key, timedelta(0)))
         for key, periods in buckets.items()
@@ -53,27 +93,42 @@ def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timed
     }
 
 
-def to_write(clock_read: float | None, noted: Noted | None, delay: timedelta) -> dict[str, timedelta]:
-    """Return the keys (with their memory spans) whose memory the delay would change, judged on what
-    the start read; a worker skips the write for the others (no round trip in the steady state)."""
+def to_write(clock_read: float | None, noted: Noted | None, sent: Sent) -> dict[timedelta, dict[str, timedelta]]:
+    """Return, per delay to keep, the keys (with their memory spans) whose memory it would change,
+    judged on what the start read; a worker skips the write for the others (no round trip in
+    the steady state). A held key keeps the delay before its hold, any other the one after."""
     if noted is None or clock_read is None:
         return {}
-    spans, kept, at, _, _ = noted
+    spans, kept, at, _, _, holds = noted
     now = at + timedelta(seconds=max(time.monotonic() - clock_read, 0.0))
-    return {
-        key: span for key, span in spans.items()
-        if remember_delay(kept.get(key, DelayMemory()), now, span, delay) is not None
-    }
+    writes: dict[timedelta, dict[str, timedelta]] = {}
+    for key, span in spans.items():
+        delay = sent.natural if key in holds else sent.delay
+        if remember_delay(kept.get(key, DelayMemory()), now, span, delay) is not None:
+            writes.setdefault(delay, {})[key] = span
+    return writes
+
+
+def hold(run: Any) -> None:
+    """Hold the running call's request until the moment its keys' buckets judged it at (the
+    longest hold of its keys after its start's clock reading; at once if the start held none),
+    noting when it would have gone out without the hold."""
+    run.natural = time.monotonic()
+    if run.hold_until is not None and run.hold_until > run.natural:
+        time.sleep(run.hold_until - run.natural)
 
 
 def mark_sent() -> None:
     """Tell the dispatcher that the running call's request is being handed to the network now.
 
     Called from a handler; the first call counts. Without it the handler's invocation counts,
-    which leaves out whatever the handler does before it sends.
+    which leaves out whatever the handler does before it sends. A handler registered with
+    ``marks_sent`` is held here (send-time pacing); another was held before it was invoked.
     """
     run = here()
     if run.sent is None:
+        if run.natural is None:
+            hold(run)
         run.sent = time.monotonic()
 
 
@@ -83,13 +138,13 @@ def trace(event: str, info: dict[str, Any]) -> None:
         mark_sent()
 
 
-def snapshot() -> tuple[float | None, Noted | None]:
+def snapshot() -> tuple[float | None, Noted | None, float | None]:
     """Return what this thread's last start noted (to carry to a thread it started a call for)."""
     run = here()
-    return run.clock_read, run.noted
+    return run.clock_read, run.noted, run.clock_after
 
 
-def restore(noted: tuple[float | None, Noted | None] | None) -> None:
+def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> None:
     """Take what another thread's start noted for this thread's call (``dispatcher.combiner``, a message's handler threads)."""
     if noted is not None:
         carry(*noted)
@@ -99,32 +154,43 @@ def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
     """Return what a start noted, only for these keys (a group's start noted all its calls' keys)."""
     if noted is None:
         return None
-    spans, kept, now, learnt, buckets = noted
+    spans, kept, now, learnt, buckets, holds = noted
 
     def mine(values: dict[str, Any]) -> dict[str, Any]:
         return {key: value for key, value in values.items() if key in keys}
 
-    return mine(spans), mine(kept), now, mine(learnt), mine(buckets)
+    return mine(spans), mine(kept), now, mine(learnt), mine(buckets), mine(holds)
 
 
 def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
-    (for its ``keys`` only, when given)."""
+    (for its ``keys`` only, when given); set until when its request is held."""
     run = here()
-    run.sent = run.invoked = None
-    return run.clock_read, run.noted if keys is None else for_keys(run.noted, keys)
+    run.sent = run.invoked = run.natural = run.hold_until = None
+    noted = run.noted if keys is None else for_keys(run.noted, keys)
+    if noted is not None and noted[5]:
+        # From just after the start's clock was read: on the database's time the request then
+        # leaves no sooner than the start's clock plus the hold, the moment its buckets judged.
+        after = run.clock_after if run.clock_after is not None else time.monotonic()
+        run.hold_until = after + max(noted[5].values()).total_seconds()
+    return run.clock_read, noted
 
 
-def mark_invoked() -> None:
-    """Note that the handler is being invoked (what counts as the send if it marks none)."""
-    here().invoked = time.monotonic()
+def mark_invoked(fn: Callable[..., Any] | None = None) -> None:
+    """Note that the handler ``fn`` is being invoked (what counts as the send if it marks none);
+    hold it first unless it marks its send itself."""
+    run = here()
+    if fn not in _marks_sent:
+        hold(run)
+    run.invoked = time.monotonic()
 
 
-def sent_after(clock_read: float | None) -> timedelta | None:
-    """Return the delay from the start's clock reading to the send (None if either is unknown)."""
+def sent_after(clock_read: float | None) -> Sent | None:
+    """Return the delays from the start's clock reading to the send (None if either is unknown)."""
     run = here()
     sent = run.sent if run.sent is not None else run.invoked
-    run.sent = run.invoked = None
-    if clock_read is None or sent is None:
+    natural = run.natural if run.natural is not None else sent
+    run.sent = run.invoked = run.natural = None
+    if clock_read is None or sent is None or natural is None:
         return None
-    return timedelta(seconds=max(sent - clock_read, 0.0))
+    return Sent(timedelta(seconds=max(sent - clock_read, 0.0)), timedelta(seconds=max(natural - clock_read, 0.0)))

@@ -332,6 +332,7 @@ def _scrub(text: str, secrets: list[str]) -> str:
 
 
 @handler("http", validator=validate_http)
+@arrivals.marks_sent
 def http(**params: Any) -> dict[str, Any]:
     """Send the request; 2xx is done, 429 pauses, 5xx and network errors retry, other 4xx fail."""
     url = params["url"]

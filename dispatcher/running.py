@@ -34,9 +34,15 @@ class Run:
     # and what the start noted of each key's arrival guard (``dispatcher.arrivals``).
     clock_read: float | None = None
     noted: Any = None
-    # When the request went out (the handler says so), else when the handler was invoked.
+    # Its monotonic time just after that reading, and until when the call's request is held
+    # (send-time pacing: ``arrivals.hold``).
+    clock_after: float | None = None
+    hold_until: float | None = None
+    # When the request went out (the handler says so), else when the handler was invoked, after
+    # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None
     invoked: float | None = None
+    natural: float | None = None
     # The cost the handler reported (``dispatcher.report_cost``), None if it reported none.
     reported: Any = None
     # The monotonic time by which every network operation must be over (``httpclient.deadline``).
@@ -55,9 +61,9 @@ def here() -> Run:
     return run
 
 
-def carry(clock_read: float | None, noted: Any) -> Run:
+def carry(clock_read: float | None, noted: Any, clock_after: float | None = None) -> Run:
     """Give this thread a new ``Run`` with what another thread's start noted; return it."""
-    run = Run(clock_read=clock_read, noted=noted)
+    run = Run(clock_read=clock_read, noted=noted, clock_after=clock_after)
     _run.set(run)
     return run
 

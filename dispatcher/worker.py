@@ -142,20 +142,21 @@ def _remember_delay(call_id: int, clock_read: float | None, noted: Any) -> None:
     _keep_delay(call_id, clock_read, noted, arrivals.sent_after(clock_read))
 
 
-def _keep_delay(call_id: int, clock_read: float | None, noted: Any, delay: timedelta | None) -> None:
+def _keep_delay(call_id: int, clock_read: float | None, noted: Any, sent: arrivals.Sent | None) -> None:
     """Keep a start-to-send delay measured on this thread or a message's handler thread."""
-    if delay is None:
+    if sent is None:
         return
-    overdue = arrivals.overdue(noted, delay)
-    spans = arrivals.to_write(clock_read, noted, delay)
-    if not spans and not overdue:
+    overdue = arrivals.overdue(noted, sent.delay)
+    writes = arrivals.to_write(clock_read, noted, sent)
+    if not writes and not overdue:
         return
     try:
         if overdue:
             ledger.push_buckets(overdue)
             log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
-        if ledger.remember_send_delay(spans, delay):
-            log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
+        for delay, spans in writes.items():
+            if ledger.remember_send_delay(spans, delay):
+                log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
     except (OperationalError, InterfaceError) as exc:
         log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)
         connections[CallQueue.objects.db].close()
@@ -212,7 +213,7 @@ def _call_handler(call: Any) -> Outcome:
     try:
         fn = get_handler(call.method).fn
         with running(call), _checked():  # what the handler reports (cost, send, the API's signals) applies to
-            arrivals.mark_invoked()
+            arrivals.mark_invoked(fn)
             result = fn(**call.params)
     except RateLimited as exc:
         return Outcome(AttemptOutcome.RATE_LIMITED, error=exc)
@@ -280,7 +281,7 @@ MESSAGE_THREADS = 8
 GATHER = 0.005
 
 # What a handler thread returns: the outcome, the cost it reported, its send measurement.
-Ran = tuple[Outcome, Any, tuple[float | None, Any, timedelta | None]]
+Ran = tuple[Outcome, Any, tuple[float | None, Any, arrivals.Sent | None]]
 
 
 def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
@@ -421,18 +422,17 @@ def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
     # keys only the largest can change what the keys remember (a kept delay only grows within its
     # span), so only it is written (these writes were ~9% of a grouped -c 32 worker's GIL time).
     # A send later than its bucket's guard moves the bucket on for each call, as alone.
-    largest: dict[tuple[int, tuple[str, ...]], tuple[int, tuple[float | None, Any, timedelta | None]]] = {}
+    largest: dict[tuple[int, tuple[str, ...]], tuple[int, tuple[float | None, Any, arrivals.Sent | None]]] = {}
     for run, (_, _, measured) in ran:
-        clock_read, noted, delay = measured
-        if delay is None:
+        clock_read, noted, sent = measured
+        if sent is None:
             continue
-        if arrivals.overdue(noted, delay):
+        if arrivals.overdue(noted, sent.delay):
             _keep_delay(run.call.id, *measured)
             continue
         keys = (id(run.noted), tuple(run.call.keys))  # the same start's reading, the same keys
         kept = largest.get(keys)
-        if kept is None or (kept[1][2] or timedelta(0)) < delay:
-            largest[keys] = (run.call.id, measured)
+        largest[keys] = (run.call.id, (clock_read, noted, sent.most(kept[1][2] if kept else None)))
     for call_id, measured in largest.values():
         _keep_delay(call_id, *measured)
     _mark_answered(sorted({key for run, _ in ran for key in run.call.keys}))

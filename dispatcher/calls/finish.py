@@ -16,6 +16,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import bounded_charge
 from dispatcher.keys import parse_key_set
 from dispatcher.limits import catalog, ledger, locks
+from dispatcher.limits.guard import GUARD_MAX
 from dispatcher.limits.shapes import TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
@@ -238,9 +239,12 @@ def _starts_after(
     """Return (time, units) of the key's starts after ``call``'s, in order, for a bucket's refund.
 
     Starts at the same instant are included whatever their order: they can only make the
-    refund smaller, never give back units a later start still holds.
+    refund smaller, never give back units a later start still holds. Each is put at the latest
+    moment its bucket may have been charged for (a held request's send moment: at most the
+    largest guard after its start), for the same reason.
     """
     later = tables.StartLog.objects.using(manager.db).filter(key=key, started_at__gte=call.started_at)
     if start is not None:
         later = later.exclude(id=start.pk)
-    return list(later.order_by("started_at", "id").values_list("started_at", "units"))
+    held = dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX)
+    return [(at + held, units) for at, units in later.order_by("started_at", "id").values_list("started_at", "units")]

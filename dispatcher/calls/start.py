@@ -175,8 +175,8 @@ def _start_group(
                 # round trip after it. The start's clock is read again: its worker measures the
                 # send against this reading (the wait for the slot is not a start-to-send delay).
                 time.sleep((verdict.until - now).total_seconds())
-                arrivals.mark_clock()
-                now = db_now(db)
+                with arrivals.reading_clock():
+                    now = db_now(db)
                 group = gate.Group(states, policies, now, gate.assess(all_keys, states, now, policies, for_start=True, using=db))
                 verdict = group.check(one.keys, one.costs)
             if not verdict.blocked:
@@ -228,10 +228,12 @@ def _mark_running_postgresql(
     log = [(key, units, cum, one.call_id) for one, record, _ in admitted for key, units, cum in record.log]
     buckets: dict[tuple[str, timedelta], int] = {}
     charged: dict[tuple[str, timedelta], int] = {}
+    holds: dict[tuple[str, timedelta], int] = {}
     for _, record, _ in admitted:
-        for (key, period, tat), beyond in zip(record.buckets, record.charged, strict=True):
+        for (key, period, tat), beyond, hold in zip(record.buckets, record.charged, record.holds, strict=True):
             buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
             charged[(key, period)] = charged.get((key, period), 0) + beyond
+            holds[(key, period)] = max(holds.get((key, period), 0), hold)
     moved: dict[str, list[int]] = {}
     for key, units, _, _ in log:
         calls_units = moved.setdefault(key, [0, 0])
@@ -245,8 +247,9 @@ def _mark_running_postgresql(
         "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
         "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
         "b_tats": list(buckets.values()),
-        # What the group charged each bucket beyond max(tat, now): its state carried to the statement's clock.
-        "b_charged": [charged[bucket] for bucket in buckets],
+        # What the group charged each bucket beyond max(tat, now + hold), from the send moment
+        # (the statement's clock plus the hold): its state carried to the statement's clock.
+        "b_charged": [holds[bucket] + charged[bucket] for bucket in buckets],
         "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
         "c_totals": [group.states[key].total for key in moved],
     }

@@ -16,10 +16,10 @@ from dispatcher import arrivals, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, pattern_matches
-from dispatcher.limits.guard import GUARD_MAX, arrival_guard, delay_memory, learnt_delay, memory
+from dispatcher.limits.guard import GUARD_MAX, arrival_guard, delay_memory, held_guard, learnt_delay, memory
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
-from dispatcher.limits.shapes import SlidingWindow, make_policy
+from dispatcher.limits.shapes import SlidingWindow, TokenBucket, make_policy
 from dispatcher.store import limit_sql, schema
 
 if TYPE_CHECKING:
@@ -51,8 +51,11 @@ class Policies:
     # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
     # the delay it was learnt from, how long the key's delays are remembered, and the key's
     # policies with the guard applied. A start's own: ``fresh`` gives each start a copy.
+    # A key whose policies are all buckets has its requests held (``holds``): its ``learnt_delays``
+    # is then what its guard allows a request after its start, the hold and ``HOLD_SPREAD``.
     guards: dict[str, timedelta] = field(default_factory=dict)
     learnt_delays: dict[str, timedelta] = field(default_factory=dict)
+    holds: dict[str, timedelta] = field(default_factory=dict)
     spans: dict[str, timedelta] = field(default_factory=dict)
     _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
 
@@ -88,14 +91,14 @@ class Policies:
         db = alias(using)
         if not schema.postgresql_path(db):
             policies = cls.load(db)
-            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
-            return policies, db_now(db)
+            with arrivals.reading_clock():  # the start's clock: its worker measures the send against it
+                return policies, db_now(db)
         # A start holds its keys' locks while it reads both: one round trip fewer under the lock.
         # The clock's subquery is evaluated once (PostgreSQL does not flatten a volatile one),
         # and the LEFT JOIN returns it even when no policy exists.
         policies_sql, params = policies_statement(db)
-        with connections[db].cursor() as cursor:
-            arrivals.mark_clock()  # the start's clock: its worker measures the send against it
+        # The start's clock: its worker measures the send against it, and holds a request from it.
+        with connections[db].cursor() as cursor, arrivals.reading_clock():
             cursor.execute(limit_sql.policies_with_clock(policies_sql), params)
             rows = cursor.fetchall()
         policies = cls._from_db_rows([row[2:] for row in rows if row[2] is not None])
@@ -143,7 +146,13 @@ class Policies:
         guard = self.guards.get(key)
         if guard is None:
             return governing
-        guarded = self._guarded[key] = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
+        hold = self.holds.get(key)
+        guarded: list[PolicyShape]
+        if hold is not None:
+            guarded = [p.with_hold(guard, hold) for p in governing if isinstance(p, TokenBucket)]
+        else:
+            guarded = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
+        self._guarded[key] = guarded
         return guarded
 
     def fresh(self) -> Policies:
@@ -152,7 +161,7 @@ class Policies:
         A process keeps its policies for later starts, on several threads at once; each start
         applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
         """
-        return dataclasses.replace(self, guards={}, learnt_delays={}, spans={}, _guarded={})
+        return dataclasses.replace(self, guards={}, learnt_delays={}, holds={}, spans={}, _guarded={})
 
     def apply_guards(
         self, keys: Iterable[str], states: Mapping[str, KeyState], now: datetime | None
@@ -167,6 +176,7 @@ class Policies:
         for key in keys:
             self._guarded.pop(key, None)
             self.guards.pop(key, None)
+            self.holds.pop(key, None)
             governing = self.for_key(key)
             if not governing:
                 continue
@@ -176,6 +186,11 @@ class Policies:
                 learnt = max(_kept.current, _kept.previous) if _kept.since is not None else timedelta(0)
             else:
                 learnt = learnt_delay(_kept, now, span)
+            if all(isinstance(p, TokenBucket) for p in governing):
+                # Its requests are held to their start plus the delay measured (send-time pacing).
+                self.guards[key], self.holds[key] = held_guard(floor, cap, learnt)
+                self.learnt_delays[key] = self.holds[key] + self.guards[key] - floor
+                continue
             self.learnt_delays[key] = learnt
             self.guards[key] = arrival_guard(floor, cap, learnt)
         return spans

@@ -63,8 +63,8 @@ def policies_for_start(
     governed = {key: governing for key in keys if (governing := policies.for_key(key))}
     kinds, params = _probes(governed, lambda span: span, db)
     policies_sql, policy_params = policies_statement(db)
-    with connections[db].cursor() as cursor:
-        arrivals.mark_clock()  # the start's clock: its worker measures the send against it
+    # The start's clock: its worker measures the send against it, and holds a request from it.
+    with connections[db].cursor() as cursor, arrivals.reading_clock():
         cursor.execute(
             limit_sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
         )
@@ -324,6 +324,7 @@ def assess(
         arrivals.note_start(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
+            dict(policies.holds),
         )
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
@@ -368,9 +369,11 @@ class StartRecord:
 
     log: list[tuple[str, int, int]] = field(default_factory=list)
     buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
-    # Per bucket, the microseconds the start charged beyond max(tat, now): a start recorded at a
-    # later clock carries the same charge from there (call_sql.mark_running_group).
+    # Per bucket, the microseconds the start charged beyond max(tat, now + hold), and its hold: a
+    # start recorded at a later clock carries the same charge from there plus the hold
+    # (call_sql.mark_running_group).
     charged: list[int] = field(default_factory=list)
+    holds: list[int] = field(default_factory=list)
 
 
 def start_record(
@@ -390,8 +393,11 @@ def start_record(
             tat = policy.charge(reading, now, units)
             if tat is not None:
                 record.buckets.append((key, policy.period, to_us(tat)))
-                base = max(reading.tat, now) if reading.tat is not None else now
+                # A held start is charged from its send moment, ``hold`` after the start.
+                held = getattr(policy, "hold", timedelta(0))
+                base = max(reading.tat, now + held) if reading.tat is not None else now + held
                 record.charged.append(to_us(tat) - to_us(base))
+                record.holds.append(to_us(now + held) - to_us(now))
     return record
 
 

@@ -81,6 +81,26 @@ def arrival_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> timede
     return max(floor, min(cap, floor + learnt))
 
 
+# Send-time pacing (a key whose policies are all buckets): its requests are held until their
+# start plus the start-to-send delay it measured lately, and its buckets judge each start at that
+# moment. What a held request may still take after it (waking up, writing the request) is covered
+# by this much on top of the configured guard; a request later than that moves the buckets on
+# (``ledger.push_buckets``).
+HOLD_SPREAD = timedelta(milliseconds=5)
+
+
+def held_guard(floor: timedelta, cap: timedelta, learnt: timedelta) -> tuple[timedelta, timedelta]:
+    """Return the guard and the hold of a key whose requests are held: the hold is the measured
+    delay, the guard the configured one plus the spread a hold leaves (``HOLD_SPREAD``, never more
+    than the measured delay itself), each within what the cap lets a measured delay add.
+
+    Nothing measured: no hold, the configured guard, as ``arrival_guard``. A cap equal to the
+    floor (learning off): the same.
+    """
+    room = max(cap - floor, timedelta(0))
+    return floor + min(room, HOLD_SPREAD, learnt), min(room, learnt)
+
+
 def delay_memory(state: KeyState | None) -> DelayMemory:
     """Return the start-to-send delays a key's state row remembers."""
     if state is None:

@@ -193,6 +193,10 @@ class TokenBucket(Policy):
 
     shape: ClassVar[str] = "bucket"
     burst: int = 1
+    # Send-time pacing: how long after its start a request is held before it goes out (the
+    # worker holds it, ``dispatcher.arrivals``). The bucket judges and charges a start at
+    # ``now + hold``, the moment its request leaves, so the guard covers only what follows.
+    hold: timedelta = field(default=timedelta(0), compare=False)
 
     # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
     # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
@@ -257,8 +261,13 @@ class TokenBucket(Policy):
     def capacity(self) -> int:
         return self.depth
 
+    def with_hold(self, guard: timedelta, hold: timedelta) -> TokenBucket:
+        """Return the policy for starts whose requests are held ``hold`` after them, under ``guard``."""
+        return type(self)(**{**self.__dict__, "guard": guard, "hold": hold})
+
     def tokens(self, reading: Reading, now: datetime) -> Fraction:
         """Return the tokens in the bucket at ``now`` (negative while it owes units)."""
+        now += self.hold
         owed = max(_us(reading.tat - now), 0) if reading.tat is not None else 0
         return self.depth - Fraction(owed) / self.interval
 
@@ -274,12 +283,17 @@ class TokenBucket(Policy):
             return room
         if reading.tat is None:
             return max(room, self.burst)
-        fits = math.floor((self.tolerance - _us(reading.tat - now)) / self.interval)
+        fits = math.floor((self.tolerance - _us(reading.tat - now - self.hold)) / self.interval)
         return max(room, min(self.burst, fits))
 
     def frees_at(self, reading: Reading, now: datetime, need: int, reserved: int = 0) -> datetime | None:
         if self.alone(reading, now, reserved) >= need:
             return now
+        # Judged at the send moment: a start ``hold`` earlier sends then.
+        held = self._frees_at(reading, now + self.hold, need, reserved)
+        return max(now, held - self.hold)
+
+    def _frees_at(self, reading: Reading, now: datetime, need: int, reserved: int) -> datetime:
         base = max(reading.tat, now) if reading.tat is not None else now
         # The bucket holds ``need + reserved`` tokens once tat - t <= (depth - need - reserved) * interval.
         when = max(now, base - _floor_td((self.depth - need - reserved) * self.interval))
@@ -290,6 +304,7 @@ class TokenBucket(Policy):
         return when
 
     def charge(self, reading: Reading, now: datetime, cost: int) -> datetime:
+        now += self.hold  # the send moment
         base = max(reading.tat, now) if reading.tat is not None else now
         # Rounded up: the bucket refills at most as fast as the policy says.
         return base + _ceil_us(cost * self.interval)

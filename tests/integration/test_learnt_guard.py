@@ -181,12 +181,13 @@ def test_a_worker_writes_only_a_delay_that_changes_what_its_start_read():
 
     span = timedelta(seconds=1)
     kept = {"k": DelayMemory(30 * MS, timedelta(0), T0)}
-    arrivals.mark_clock()
+    with arrivals.reading_clock():
+        pass
     clock_read, _ = arrivals.begin()
-    noted = ({"k": span}, kept, T0 + 100 * MS, {"k": 30 * MS}, {"k": [timedelta(seconds=1)]})
-    assert arrivals.to_write(clock_read, noted, 20 * MS) == {}
-    assert arrivals.to_write(clock_read, noted, 40 * MS) == {"k": span}
-    assert arrivals.to_write(None, noted, 40 * MS) == {}
+    noted = ({"k": span}, kept, T0 + 100 * MS, {"k": 30 * MS}, {"k": [timedelta(seconds=1)]}, {})
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(20 * MS, 20 * MS)) == {}
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(40 * MS, 40 * MS)) == {40 * MS: {"k": span}}
+    assert arrivals.to_write(None, noted, arrivals.Sent(40 * MS, 40 * MS)) == {}
     # A bucket was charged at the start with a guard learnt from 30 ms: a send 40 ms after the
     # start moves it on by 10 ms; one within 30 ms does not move it.
     assert arrivals.overdue(noted, 20 * MS) == {}
@@ -224,8 +225,13 @@ def test_a_start_that_waits_for_its_slot_reads_the_start_clock_again_after_the_w
     edit.set_policy("api", 1, timedelta(minutes=1))
     assert CallQueue.objects.start(first.id, first.dispatch_no, "w").state == "started"
     events: list[str] = []
-    real_mark = arrivals.mark_clock
-    monkeypatch.setattr(arrivals, "mark_clock", lambda: (events.append("mark"), real_mark())[1])
+    real_reading = arrivals.reading_clock
+
+    def reading_clock():
+        events.append("mark")
+        return real_reading()
+
+    monkeypatch.setattr(arrivals, "reading_clock", reading_clock)
     monkeypatch.setattr(start.time, "sleep", lambda seconds: events.append("wait"))
     monkeypatch.setattr(start, "HOLD_FOR_SLOT", timedelta(minutes=2))
     started = CallQueue.objects.start(second.id, second.dispatch_no, "w", may_wait=timedelta(minutes=2))

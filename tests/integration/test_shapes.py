@@ -98,6 +98,9 @@ def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_star
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
     settings.DISPATCHER_ARRIVAL_GUARD_MAX = "5s"
     edit.set_policy("greeter", 10, timedelta(seconds=10), burst=10)
+    # A window beside the bucket: the key's requests are not held (send-time pacing is for keys
+    # whose policies are all buckets), so its guard takes the learnt delay.
+    edit.set_policy("greeter", 1000, timedelta(hours=1))
     KeyState.objects.update_or_create(key="greeter", defaults={"send_delay_us": 2_500_000, "send_delay_since": db_now()})
     big = CallQueue.objects.send("greet", {"name": "ada"}, cost={"greeter": 10})
     small = CallQueue.objects.send("greet", {"name": "ada"})

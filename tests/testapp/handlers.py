@@ -5,7 +5,7 @@ from typing import Any
 
 import httpx
 
-from dispatcher import PermanentError, RateLimited, arrivals, handler, report_cost
+from dispatcher import PermanentError, RateLimited, arrivals, handler, marks_sent, report_cost
 
 
 def _check_greeting(params: dict[str, Any]) -> None:
@@ -30,6 +30,31 @@ def late_send(delay: float = 0.0, **params: Any) -> None:
 
     time.sleep(delay)
     arrivals.mark_sent()
+
+
+def _clocks() -> dict[str, str]:
+    """The database clock now (a request would go out now) and the one its start was judged on."""
+    from dispatcher.clock import db_now
+    from dispatcher.running import here
+
+    return {"at": db_now().isoformat(), "judged": here().noted[2].isoformat()}
+
+
+@handler("db_clock")
+def db_clock(**params: Any) -> dict[str, str]:
+    """Return the database clock when the handler runs, and its start's."""
+    return _clocks()
+
+
+@handler("marked_clock")
+@marks_sent
+def marked_clock(work: float = 0.0, **params: Any) -> dict[str, str]:
+    """Work ``work`` seconds, mark the send and return the database clock then, and its start's."""
+    import time
+
+    time.sleep(work)
+    arrivals.mark_sent()
+    return _clocks()
 
 
 @handler("explode")
@@ -73,6 +98,7 @@ _client = httpx.Client(timeout=10, trust_env=False)
 
 
 @handler("pooled_get")
+@marks_sent  # held where the trace hook marks the send, as the http handler is
 def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int]:
     """GET through one connection pool per process: what the http handler does with a pooled client."""
     # The trace hook marks the moment the request's headers go out: the measured send.
