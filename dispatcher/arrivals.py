@@ -12,10 +12,11 @@ every claim and start then absorbs them (``guard.learnt_delay``).
 Send-time pacing: a key whose policies are all buckets (a smooth rate, a token bucket) does not
 absorb the delay in its guard. Its buckets judge and charge each start at the start plus the
 delay measured lately (the hold), and the worker holds the request until then, counted on its
-own monotonic clock from just after the start read the database's (``hold``): a request leaves no
-sooner than the moment its bucket was judged at, and the guard covers only what a hold leaves
-(``HOLD_SPREAD``) and the network. Such a key remembers the delay measured before the hold (``Sent.natural``), so a
-hold never feeds itself; every other key the delay after it. The built-in http handler holds the
+own monotonic clock from just after the start read the database's (``hold``): a request leaves
+no sooner than the moment its bucket was judged at, and the guard covers only what a hold leaves
+(the lateness after it measured lately, at least ``HOLD_SPREAD``) and the network. Such a key remembers the
+delay measured before the hold (``Sent.natural``), so a hold never feeds itself, and its
+lateness after the hold; every other key the delay after it. The built-in http handler holds the
 request just before its headers are written; another handler is held before it is invoked,
 unless it is registered with ``marks_sent`` (then where it calls ``mark_sent``).
 """
@@ -27,15 +28,32 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from dispatcher.limits.guard import DelayMemory, remember_delay
+from dispatcher.limits.guard import HOLD_LATE, SEND_DELAY, DelayMemory, remember_delay
 from dispatcher.running import carry, here
 
-# What a start noted: each key's memory span, what its memory held, the start's database time,
-# what its guard allows a request after the start, its buckets' periods, its hold (held keys only).
-Noted = tuple[
-    dict[str, timedelta], dict[str, DelayMemory], datetime, dict[str, timedelta], dict[str, list[timedelta]],
-    dict[str, timedelta],
-]
+
+class Noted(NamedTuple):
+    """What a start noted for each key: its memory span, what its memory held, the start's
+    database time, what its guard allows a request after the start, its buckets' periods; for a
+    held key its hold and what it remembers of its lateness after a hold."""
+
+    spans: dict[str, timedelta]
+    kept: dict[str, DelayMemory]
+    now: datetime
+    allowed: dict[str, timedelta]
+    buckets: dict[str, list[timedelta]]
+    holds: dict[str, timedelta]
+    late: dict[str, DelayMemory]
+
+    def of(self, keys: list[str]) -> Noted:
+        """Return what it noted for these keys only."""
+        def mine(values: dict[str, Any]) -> dict[str, Any]:
+            return {key: value for key, value in values.items() if key in keys}
+
+        return Noted(
+            mine(self.spans), mine(self.kept), self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
+            mine(self.late),
+        )
 
 # Handlers that mark their send themselves (``mark_sent``): held there, not when invoked.
 _marks_sent: set[Callable[..., Any]] = set()
@@ -69,14 +87,10 @@ def reading_clock() -> Iterator[None]:
     run.clock_after = time.monotonic()
 
 
-def note_start(
-    spans: dict[str, timedelta], kept: dict[str, DelayMemory], now: datetime, learnt: dict[str, timedelta],
-    buckets: dict[str, list[timedelta]], holds: dict[str, timedelta] | None = None,
-) -> None:
-    """Remember, for the start being judged, how long each key keeps its measured delays, what it
-    kept at ``now`` (so a worker writes only a delay that changes it), what each key's guard
-    allows a request after its start, the periods of its buckets and the holds of held keys."""
-    here().noted = (spans, kept, now, learnt, buckets, dict(holds or {}))
+def note_start(noted: Noted) -> None:
+    """Remember, for the start being judged, how long each key keeps its measured delays and what
+    it kept (so a worker writes only a delay that changes it), and the rest of ``Noted``."""
+    here().noted = noted
 
 
 def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timedelta], timedelta]]:
@@ -85,27 +99,36 @@ def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timed
     known then: a later send must move it on by the difference)."""
     if noted is None:
         return {}
-    _, _, _, learnt, buckets, _ = noted
+    allowed = noted.allowed
     return {
-        key: (periods, delay - learnt.get(key, timedelta(0)))
-        for key, periods in buckets.items()
-        if periods and delay > learnt.get(key, timedelta(0))
+        key: (periods, delay - allowed.get(key, timedelta(0)))
+        for key, periods in noted.buckets.items()
+        if periods and delay > allowed.get(key, timedelta(0))
     }
 
 
-def to_write(clock_read: float | None, noted: Noted | None, sent: Sent) -> dict[timedelta, dict[str, timedelta]]:
-    """Return, per delay to keep, the keys (with their memory spans) whose memory it would change,
-    judged on what the start read; a worker skips the write for the others (no round trip in
-    the steady state). A held key keeps the delay before its hold, any other the one after."""
+def to_write(
+    clock_read: float | None, noted: Noted | None, sent: Sent
+) -> dict[tuple[str, timedelta], dict[str, timedelta]]:
+    """Return, per memory and delay to keep, the keys (with their memory spans) whose memory it
+    would change, judged on what the start read; a worker skips the write for the others (no
+    round trip in the steady state). A held key keeps the delay before its hold, and how much
+    later than its hold the request went out; any other key the delay after the hold."""
     if noted is None or clock_read is None:
         return {}
-    spans, kept, at, _, _, holds = noted
-    now = at + timedelta(seconds=max(time.monotonic() - clock_read, 0.0))
-    writes: dict[timedelta, dict[str, timedelta]] = {}
-    for key, span in spans.items():
-        delay = sent.natural if key in holds else sent.delay
-        if remember_delay(kept.get(key, DelayMemory()), now, span, delay) is not None:
-            writes.setdefault(delay, {})[key] = span
+    now = noted.now + timedelta(seconds=max(time.monotonic() - clock_read, 0.0))
+    writes: dict[tuple[str, timedelta], dict[str, timedelta]] = {}
+
+    def keep(memory: str, kept: DelayMemory, key: str, span: timedelta, delay: timedelta) -> None:
+        if remember_delay(kept, now, span, delay) is not None:
+            writes.setdefault((memory, delay), {})[key] = span
+
+    for key, span in noted.spans.items():
+        hold = noted.holds.get(key)
+        keep(SEND_DELAY, noted.kept.get(key, DelayMemory()), key, span, sent.delay if hold is None else sent.natural)
+        if hold is not None:
+            late = max(sent.delay - hold, timedelta(0))
+            keep(HOLD_LATE, noted.late.get(key, DelayMemory()), key, span, late)
     return writes
 
 
@@ -152,14 +175,7 @@ def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> No
 
 def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
     """Return what a start noted, only for these keys (a group's start noted all its calls' keys)."""
-    if noted is None:
-        return None
-    spans, kept, now, learnt, buckets, holds = noted
-
-    def mine(values: dict[str, Any]) -> dict[str, Any]:
-        return {key: value for key, value in values.items() if key in keys}
-
-    return mine(spans), mine(kept), now, mine(learnt), mine(buckets), mine(holds)
+    return None if noted is None else noted.of(keys)
 
 
 def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
@@ -168,11 +184,11 @@ def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
     run = here()
     run.sent = run.invoked = run.natural = run.hold_until = None
     noted = run.noted if keys is None else for_keys(run.noted, keys)
-    if noted is not None and noted[5]:
+    if noted is not None and noted.holds:
         # From just after the start's clock was read: on the database's time the request then
         # leaves no sooner than the start's clock plus the hold, the moment its buckets judged.
         after = run.clock_after if run.clock_after is not None else time.monotonic()
-        run.hold_until = after + max(noted[5].values()).total_seconds()
+        run.hold_until = after + max(noted.holds.values()).total_seconds()
     return run.clock_read, noted
 
 

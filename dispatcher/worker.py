@@ -154,9 +154,9 @@ def _keep_delay(call_id: int, clock_read: float | None, noted: Any, sent: arriva
         if overdue:
             ledger.push_buckets(overdue)
             log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
-        for delay, spans in writes.items():
-            if ledger.remember_send_delay(spans, delay):
-                log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
+        for (memory, delay), spans in writes.items():
+            if ledger.remember_send_delay(spans, delay, memory=memory):
+                log.info("%s call=%s delay_ms=%.1f", memory, call_id, delay.total_seconds() * 1000)
     except (OperationalError, InterfaceError) as exc:
         log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)
         connections[CallQueue.objects.db].close()

@@ -16,7 +16,15 @@ from dispatcher import arrivals, tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, pattern_matches
-from dispatcher.limits.guard import GUARD_MAX, arrival_guard, delay_memory, held_guard, learnt_delay, memory
+from dispatcher.limits.guard import (
+    GUARD_MAX,
+    HOLD_LATE,
+    arrival_guard,
+    delay_memory,
+    held_guard,
+    memory,
+    remembered,
+)
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import SlidingWindow, TokenBucket, make_policy
@@ -52,7 +60,7 @@ class Policies:
     # the delay it was learnt from, how long the key's delays are remembered, and the key's
     # policies with the guard applied. A start's own: ``fresh`` gives each start a copy.
     # A key whose policies are all buckets has its requests held (``holds``): its ``learnt_delays``
-    # is then what its guard allows a request after its start, the hold and ``HOLD_SPREAD``.
+    # is then what its guard allows a request after its start: the hold and the spread it absorbs.
     guards: dict[str, timedelta] = field(default_factory=dict)
     learnt_delays: dict[str, timedelta] = field(default_factory=dict)
     holds: dict[str, timedelta] = field(default_factory=dict)
@@ -181,14 +189,11 @@ class Policies:
             if not governing:
                 continue
             span = spans[key] = self.spans[key] = memory(governing, max(floor, cap))
-            _kept = delay_memory(states.get(key))
-            if now is None:
-                learnt = max(_kept.current, _kept.previous) if _kept.since is not None else timedelta(0)
-            else:
-                learnt = learnt_delay(_kept, now, span)
+            learnt = remembered(delay_memory(states.get(key)), now, span)
             if all(isinstance(p, TokenBucket) for p in governing):
                 # Its requests are held to their start plus the delay measured (send-time pacing).
-                self.guards[key], self.holds[key] = held_guard(floor, cap, learnt)
+                late = remembered(delay_memory(states.get(key), HOLD_LATE), now, span)
+                self.guards[key], self.holds[key] = held_guard(floor, cap, learnt, late)
                 self.learnt_delays[key] = self.holds[key] + self.guards[key] - floor
                 continue
             self.learnt_delays[key] = learnt

@@ -14,7 +14,7 @@ from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
 from dispatcher.limits.catalog import Policies, kept_policies, policies_statement, remember_policies
-from dispatcher.limits.guard import delay_memory
+from dispatcher.limits.guard import HOLD_LATE, delay_memory
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
@@ -321,11 +321,11 @@ def assess(
     else:
         spans = {k: policies.spans[k] for k in keys if k in policies.spans}
     if for_start:
-        arrivals.note_start(
+        arrivals.note_start(arrivals.Noted(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            dict(policies.holds),
-        )
+            dict(policies.holds), {k: delay_memory(states.get(k), HOLD_LATE) for k in policies.holds},
+        ))
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {

@@ -13,7 +13,7 @@ from django.db.models.functions import Now
 from dispatcher import tables
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits.guard import GUARD_MAX, delay_memory, remember_delay
+from dispatcher.limits.guard import GUARD_MAX, SEND_DELAY, delay_memory, remember_delay
 from dispatcher.limits.locks import alias, lock_keys
 from dispatcher.store import limit_sql, schema
 
@@ -113,8 +113,11 @@ def unanswered(keys: Sequence[str], using: str | None = None) -> set[str]:
     return set(states.filter(key__in=list(keys), answered_at__isnull=True).values_list("key", flat=True))
 
 
-def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:
-    """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
+def remember_send_delay(
+    spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None, memory: str = SEND_DELAY
+) -> int:
+    """Keep a start-to-send delay measured on these keys (each with its memory span), or with
+    ``memory`` HOLD_LATE a lateness after a hold; return rows written.
 
     On PostgreSQL one statement (``limit_sql.remember_send_delay``) that writes only rows whose memory
     changes (a new largest delay, or a span gone by: at most a few per key and second); a worker
@@ -133,7 +136,9 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
             if several:
                 lock_keys(list(spans), using=db)
             with connections[db].cursor() as cursor:
-                cursor.execute(limit_sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
+                cursor.execute(
+                    limit_sql.remember_send_delay(memory), {"keys": list(spans), "spans": list(spans.values()), "us": us}
+                )
                 written: int = cursor.rowcount
                 return written
     written = 0
@@ -141,13 +146,13 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
     with transaction.atomic(using=db):
         now = db_now(db)
         for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
-            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
+            kept = remember_delay(delay_memory(state, memory), now, spans[state.key], delay)
             if kept is not None:
-                written += states.filter(key=state.key).update(
-                    send_delay_us=kept.current // timedelta(microseconds=1),
-                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
-                    send_delay_since=kept.since,
-                )
+                written += states.filter(key=state.key).update(**{
+                    f"{memory}_us": kept.current // timedelta(microseconds=1),
+                    f"{memory}_prev_us": kept.previous // timedelta(microseconds=1),
+                    f"{memory}_since": kept.since,
+                })
     return written
 
 

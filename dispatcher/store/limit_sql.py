@@ -107,12 +107,13 @@ def adjust_reserved(keys: int) -> str:
 
 
 @functools.cache
-def remember_send_delay() -> str:
-    """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
+def remember_send_delay(memory: str = "send_delay") -> str:
+    """Keep a measured delay (%(us)s microseconds) on keys %(keys)s in one of their memories (the
+    start-to-send delay, or the lateness after a hold: ``guard.delay_memory``), each with its
     memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory
     over, a larger delay raises it; other rows are not touched (nor locked)."""
-    current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
-    since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
+    current, previous = column("KeyState", f"{memory}_us"), column("KeyState", f"{memory}_prev_us")
+    since, key = column("KeyState", f"{memory}_since"), column("KeyState", "key")
     rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
     return f"""
         WITH m AS (

@@ -105,8 +105,34 @@ def test_held_guard_stays_within_the_cap():
     assert held_guard(floor, cap, 2 * MS) == (22 * MS, 2 * MS)
     assert held_guard(floor, cap, 80 * MS) == (floor + HOLD_SPREAD, 80 * MS)
     assert held_guard(floor, cap, 900 * MS) == (floor + HOLD_SPREAD, 230 * MS)
+    # A lateness after the hold measured lately widens the guard by it (within the cap).
+    assert held_guard(floor, cap, 80 * MS, 12 * MS) == (32 * MS, 80 * MS)
+    assert held_guard(floor, cap, 80 * MS, 2 * MS) == (floor + HOLD_SPREAD, 80 * MS)
+    assert held_guard(floor, cap, 80 * MS, 900 * MS) == (cap, 80 * MS)
     # Learning off (the cap is the floor): no hold, the configured guard.
-    assert held_guard(floor, floor, 80 * MS) == (floor, timedelta(0))
+    assert held_guard(floor, floor, 80 * MS, 12 * MS) == (floor, timedelta(0))
+
+
+def test_a_held_key_learns_how_late_its_requests_go_out_after_the_hold_and_its_guard_absorbs_it():
+    """A handler held before it is invoked that works 40 ms before it sends: its requests go out
+    40-odd ms after their hold. The bucket moves on by what the guard did not allow for, and the
+    key keeps the lateness: the next start's guard absorbs it."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    call = CallQueue.objects.send("late_send", {"delay": 0.04}, keys=["paced"])
+    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    call.refresh_from_db()
+    state = KeyState.objects.get(key="paced")
+    assert 40_000 <= state.hold_late_us < 80_000
+    assert state.send_delay_us == 80_000  # the delay before the hold did not grow
+    (bucket,) = KeyBucket.objects.filter(key="paced")
+    late = timedelta(microseconds=state.hold_late_us)
+    # Charged from the start plus the hold (305 ms), then moved on by the lateness beyond 5 ms.
+    assert from_us(bucket.tat_us) - call.started_at >= 80 * MS + 225 * MS + late - 5 * MS
+    policies = Policies.load()
+    policies.apply_guards(["paced"], {"paced": state}, db_now())
+    assert policies.guards["paced"] == 20 * MS + late
+    assert policies.holds["paced"] == 80 * MS
 
 
 @pytest.mark.parametrize("burst", [1, 3])
