@@ -86,7 +86,8 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
                 f"paced: smooth {f['rate']}/s behind nginx limit_req (2 dispensers, 1 late worker, busy machine)",
                 f"{f['used']:.1%} of nginx's capacity, {f['refused']} 429s ({f['calls']} calls)",
                 ">= 95%, 0 429s",
-                f"load {load_before:.1f}; smallest gap at the API {f['min_gap_ms']:.1f} ms",
+                f"load {load_before:.1f}; gaps at the API: smallest {f['min_gap_ms']:.1f} ms,"
+                f" p50 {f['gap_p50_ms']:.1f} ms, p90 {f['gap_p90_ms']:.1f} ms",
                 f["used"] >= 0.95 and f["refused"] == 0,
                 {**f, "load_before": load_before, "seconds": time.monotonic() - started},
             ))

@@ -127,7 +127,9 @@ def to_write(
         hold = noted.holds.get(key)
         keep(SEND_DELAY, noted.kept.get(key, DelayMemory()), key, span, sent.delay if hold is None else sent.natural)
         if hold is not None:
-            late = max(sent.delay - hold, timedelta(0))
+            # Later than its hold, or than the request would have gone out without it (a larger
+            # delay before the hold raises the next hold, not the guard).
+            late = max(sent.delay - max(hold, sent.natural), timedelta(0))
             keep(HOLD_LATE, noted.late.get(key, DelayMemory()), key, span, late)
     return writes
 

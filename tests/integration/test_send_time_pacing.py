@@ -150,3 +150,23 @@ def test_a_held_bucket_judges_and_charges_a_start_at_its_send_moment(burst):
         assert held.frees_at(reading, now, burst) == max(now, frees - 80 * MS)
         if held.room(reading, now) >= 1:
             tat = held.charge(reading, now, 1)
+
+
+def test_what_a_held_call_keeps_the_delay_before_its_hold_and_its_lateness_after_it():
+    """A call of a held key (80 ms) and a key with a window: the held key keeps the delay before
+    the hold and how much later than the hold, or than that delay, the request went out; the
+    other key the delay after the hold."""
+    from dispatcher import arrivals
+
+    span = timedelta(seconds=1)
+    with arrivals.reading_clock():
+        pass
+    clock_read, _ = arrivals.begin()
+    noted = arrivals.Noted({"k": span, "w": span}, {}, T0, {}, {}, {"k": 80 * MS}, {})
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(85 * MS, 30 * MS)) == {
+        ("send_delay", 30 * MS): {"k": span}, ("hold_late", 5 * MS): {"k": span}, ("send_delay", 85 * MS): {"w": span},
+    }
+    # Later than the hold before it: the delay raises the next hold, only what followed it the guard.
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(102 * MS, 100 * MS)) == {
+        ("send_delay", 100 * MS): {"k": span}, ("hold_late", 2 * MS): {"k": span}, ("send_delay", 102 * MS): {"w": span},
+    }
