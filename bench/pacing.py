@@ -17,6 +17,14 @@ from bench.support import Figure, check, reset_tables
 RATES = {"r5": 5, "r20": 20}
 # Seconds of sending per rate: the calls are the rate times this.
 SECONDS = {"quick": 8, "full": 20}
+# The workers behind nginx: the scenario's own, and a big thread pool that also runs a steady
+# stream of 100 ms calls of another key (support.paced.BUSY_RATE a second; per second of sending).
+WORKERS: dict[str, dict[str, Any]] = {
+    "1 late worker": {},
+    "1 late -P threads -c 32 worker running 100 ms calls of another key": {
+        "pool": "threads", "concurrency": 32, "busy_calls": 200,
+    },
+}
 SHAPE_LABELS = {
     "window": "sliding window 10 per 2 s",
     "bucket": "token bucket 5/s, burst 10",
@@ -31,7 +39,7 @@ def _http_env() -> dict[str, str]:
     return env()
 
 
-def _nginx_run(ctx: Any, seconds: int, extra: dict[str, str]) -> dict[str, dict[str, float]]:
+def _nginx_run(ctx: Any, seconds: int, extra: dict[str, str], **workers: Any) -> dict[str, dict[str, float]]:
     from support.fakeapi import FakeAPI
     from support.nginx import Nginx
     from support.paced import load, run_behind_nginx
@@ -44,6 +52,7 @@ def _nginx_run(ctx: Any, seconds: int, extra: dict[str, str]) -> dict[str, dict[
         load(procs, seconds * 3 + 90)
         return run_behind_nginx(
             procs, api, nginx, {zone: rate * seconds for zone, rate in RATES.items()}, queue=ctx.queue, extra_env=extra,
+            **workers,
         )
     finally:
         procs.stop_all()
@@ -77,13 +86,14 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
     load_before = os.getloadavg()[0]
     if not nginx.available():
         rows.append(Figure("paced behind nginx", "skipped: no nginx (make bench-deps)", "", "", None))
-    else:
+    for workers, setup in WORKERS.items() if nginx.available() else ():
         started = time.monotonic()
-        found = _nginx_run(ctx, SECONDS[mode], {})
+        busy = setup.get("busy_calls", 0) * SECONDS[mode]
+        found = _nginx_run(ctx, SECONDS[mode], {}, **{**setup, "busy_calls": busy})
         for zone, f in found.items():
             check(f["lost"] == 0 and f["runs_per_call"] == 1, f"nginx {zone}: {f['lost']} calls lost, runs per call {f['runs_per_call']}")
             rows.append(Figure(
-                f"paced: smooth {f['rate']}/s behind nginx limit_req (2 dispensers, 1 late worker, busy machine)",
+                f"paced: smooth {f['rate']}/s behind nginx limit_req (2 dispensers, {workers}, busy machine)",
                 f"{f['used']:.1%} of nginx's capacity, {f['refused']} 429s ({f['calls']} calls)",
                 ">= 95%, 0 429s",
                 f"load {load_before:.1f}; gaps at the API: smallest {f['min_gap_ms']:.1f} ms,"

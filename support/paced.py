@@ -22,6 +22,10 @@ from support.processes import wait_until
 BUSY_LOOP = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end:\n    pass\n"
 
 
+# Calls a second of the other key's 100 ms calls (``busy_calls``): 20 at once on the API.
+BUSY_RATE = 200
+
+
 def load(procs, seconds: float) -> Any:
     """Start a process that keeps one core busy for at most ``seconds`` (stopped with ``procs``)."""
     return procs.start("load", sys.executable, "-c", BUSY_LOOP, str(seconds))
@@ -29,12 +33,23 @@ def load(procs, seconds: float) -> Any:
 
 def run_behind_nginx(
     procs, api, nginx, calls: dict[str, int], *, dispensers: int = 2, workers: int = 1, concurrency: int = 4,
-    queue: str | None = None, extra_env: dict[str, str] | None = None,
+    queue: str | None = None, extra_env: dict[str, str] | None = None, pool: str = "prefork", busy_calls: int = 0,
 ) -> dict[str, dict[str, float]]:
     """Send ``calls[zone]`` http calls to each nginx zone; return per zone the 429s, the share of
-    nginx's capacity used, the smallest gap at the API and the runs per call."""
+    nginx's capacity used, the smallest gap at the API and the runs per call.
+
+    ``busy_calls``: as many calls of 100 ms to the fake API go through the same workers at the
+    same time, on a key of their own limited to ``BUSY_RATE`` a second (under ``-P threads`` they
+    keep the worker's GIL busy, as a real site's other calls do; the limit keeps the broker's
+    queue short, so the paced calls do not wait behind them)."""
     from dispatcher.models import CallQueue
 
+    if busy_calls:
+        edit.set_policy("busy", BUSY_RATE, timedelta(seconds=1))
+        CallQueue.objects.send_many([
+            {"method": "http", "params": {"method": "GET", "url": f"{api.url}/slow?delay=0.1"}, "keys": ["busy"]}
+            for _ in range(busy_calls)
+        ])
     for zone, n in calls.items():
         edit.set_policy(f"nginx:{zone}", nginx.rates[zone], timedelta(seconds=1), burst=1)
         CallQueue.objects.send_many([
@@ -50,7 +65,7 @@ def run_behind_nginx(
     # The worker comes late: the first claims wait in the broker, and every start re-checks.
     time.sleep(2)
     for _ in range(workers):
-        procs.worker(queue or procs.queue, concurrency=concurrency, extra_env=extra_env)
+        procs.worker(queue or procs.queue, concurrency=concurrency, extra_env=extra_env, pool=pool)
     longest = max(n / nginx.rates[zone] for zone, n in calls.items())
     done = wait_until(
         lambda: not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists(), timeout=longest * 3 + 60, interval=0.5
@@ -58,7 +73,7 @@ def run_behind_nginx(
     if not done:
         raise RuntimeError(f"the backlog did not finish within {longest * 3 + 60:.0f} s:\n" + procs.logs())
     statuses = Counter(CallQueue.objects.values_list("status", flat=True))
-    if statuses != {"done": sum(calls.values())}:
+    if statuses != {"done": sum(calls.values()) + busy_calls}:
         raise RuntimeError(f"not every call is done: {dict(statuses)}")
     logged = nginx.logged()
     figures = {}
