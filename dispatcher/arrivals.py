@@ -60,14 +60,26 @@ _marks_sent: set[Callable[..., Any]] = set()
 
 
 class Sent(NamedTuple):
-    """A call's start-to-send delay: the request's (after any hold), and the one before the hold."""
+    """A call's start-to-send delay: the request's (after any hold), the one before the hold, and
+    how much later than the latter the request went out."""
 
     delay: timedelta
     natural: timedelta
+    beyond: timedelta
+
+    @classmethod
+    def of(cls, delay: timedelta, natural: timedelta) -> Sent:
+        return cls(delay, natural, max(delay - natural, timedelta(0)))
+
+    def late(self, hold: timedelta) -> timedelta:
+        """Return how much later than a hold, or than the delay before it, the request went out."""
+        return max(min(self.delay - hold, self.beyond), timedelta(0))
 
     def most(self, other: Sent | None) -> Sent:
-        """Return the larger of each delay."""
-        return self if other is None else Sent(max(self.delay, other.delay), max(self.natural, other.natural))
+        """Return the larger of each (for several calls: never less than any one's ``late``)."""
+        if other is None:
+            return self
+        return Sent(max(self.delay, other.delay), max(self.natural, other.natural), max(self.beyond, other.beyond))
 
 
 def marks_sent(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,8 +141,7 @@ def to_write(
         if hold is not None:
             # Later than its hold, or than the request would have gone out without it (a larger
             # delay before the hold raises the next hold, not the guard).
-            late = max(sent.delay - max(hold, sent.natural), timedelta(0))
-            keep(HOLD_LATE, noted.late.get(key, DelayMemory()), key, span, late)
+            keep(HOLD_LATE, noted.late.get(key, DelayMemory()), key, span, sent.late(hold))
     return writes
 
 
@@ -211,4 +222,4 @@ def sent_after(clock_read: float | None) -> Sent | None:
     run.sent = run.invoked = run.natural = None
     if clock_read is None or sent is None or natural is None:
         return None
-    return Sent(timedelta(seconds=max(sent - clock_read, 0.0)), timedelta(seconds=max(natural - clock_read, 0.0)))
+    return Sent.of(timedelta(seconds=max(sent - clock_read, 0.0)), timedelta(seconds=max(natural - clock_read, 0.0)))

@@ -163,10 +163,24 @@ def test_what_a_held_call_keeps_the_delay_before_its_hold_and_its_lateness_after
         pass
     clock_read, _ = arrivals.begin()
     noted = arrivals.Noted({"k": span, "w": span}, {}, T0, {}, {}, {"k": 80 * MS}, {})
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent(85 * MS, 30 * MS)) == {
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(85 * MS, 30 * MS)) == {
         ("send_delay", 30 * MS): {"k": span}, ("hold_late", 5 * MS): {"k": span}, ("send_delay", 85 * MS): {"w": span},
     }
     # Later than the hold before it: the delay raises the next hold, only what followed it the guard.
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent(102 * MS, 100 * MS)) == {
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(102 * MS, 100 * MS)) == {
         ("send_delay", 100 * MS): {"k": span}, ("hold_late", 2 * MS): {"k": span}, ("send_delay", 102 * MS): {"w": span},
     }
+
+
+def test_several_calls_measured_together_never_keep_less_lateness_than_one_of_them():
+    """A message's calls of the same keys are kept as one measurement (the largest of each)."""
+    from dispatcher import arrivals
+
+    hold = 80 * MS
+    calls = [arrivals.Sent.of(100 * MS, 30 * MS), arrivals.Sent.of(95 * MS, 95 * MS), arrivals.Sent.of(84 * MS, 20 * MS)]
+    together = None
+    for sent in calls:
+        together = sent.most(together)
+    assert together is not None
+    assert together.late(hold) >= max(sent.late(hold) for sent in calls) == 20 * MS
+    assert (together.delay, together.natural) == (100 * MS, 95 * MS)
