@@ -66,6 +66,8 @@ class Policies:
     holds: dict[str, timedelta] = field(default_factory=dict)
     spans: dict[str, timedelta] = field(default_factory=dict)
     _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
+    # Per held key, its guard and delay were it not held (``release``).
+    _unheld: dict[str, tuple[timedelta, timedelta]] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, rows: Iterable[PolicyShape], pattern_pauses: dict[str, datetime] | None = None) -> Policies:
@@ -169,7 +171,7 @@ class Policies:
         A process keeps its policies for later starts, on several threads at once; each start
         applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
         """
-        return dataclasses.replace(self, guards={}, learnt_delays={}, holds={}, spans={}, _guarded={})
+        return dataclasses.replace(self, guards={}, learnt_delays={}, holds={}, spans={}, _guarded={}, _unheld={})
 
     def apply_guards(
         self, keys: Iterable[str], states: Mapping[str, KeyState], now: datetime | None
@@ -185,6 +187,7 @@ class Policies:
             self._guarded.pop(key, None)
             self.guards.pop(key, None)
             self.holds.pop(key, None)
+            self._unheld.pop(key, None)
             governing = self.for_key(key)
             if not governing:
                 continue
@@ -195,10 +198,19 @@ class Policies:
                 late = remembered(delay_memory(states.get(key), HOLD_LATE), now, span)
                 self.guards[key], self.holds[key] = held_guard(floor, cap, learnt, late)
                 self.learnt_delays[key] = self.holds[key] + self.guards[key] - floor
+                self._unheld[key] = arrival_guard(floor, cap, learnt), learnt
                 continue
             self.learnt_delays[key] = learnt
             self.guards[key] = arrival_guard(floor, cap, learnt)
         return spans
+
+    def release(self, key: str) -> None:
+        """Let a held key's starts go out unheld, under the guard with the whole delay measured
+        (``gate.assess``: its buckets are full, so that guard admits a call at once, and a hold
+        would cost latency for nothing)."""
+        self.guards[key], self.learnt_delays[key] = self._unheld.pop(key)
+        del self.holds[key]
+        self._guarded.pop(key, None)
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None

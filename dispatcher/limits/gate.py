@@ -314,18 +314,14 @@ def assess(
     """Judge every key, reading all their policies in one query (none if ``read`` has them).
 
     Each key's policies take the arrival guard its measured delays call for first; with ``read``,
-    ``policies_for_start`` applied them before it read the keys' probes.
+    ``policies_for_start`` applied them before it read the keys' probes. A held key whose
+    buckets are all full goes unheld (``Policies.release``): a bucket's reading does not depend
+    on the guard, and the guard with the whole delay admits a call at once.
     """
     if read is None:
         spans = policies.apply_guards(keys, states, now)
     else:
         spans = {k: policies.spans[k] for k in keys if k in policies.spans}
-    if for_start:
-        arrivals.note_start(arrivals.Noted(
-            spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
-            {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            dict(policies.holds), {k: delay_memory(states.get(k), HOLD_LATE) for k in policies.holds},
-        ))
     governed = {k: policies.for_key(k) for k in keys}
     # A paused key needs no reading: nothing is admitted until the pause ends.
     to_read = {
@@ -333,6 +329,15 @@ def assess(
         if governing and _paused_until(k, states[k], now, policies) is None
     }
     readings, running = (read.readings, read.running) if read is not None else read_keys(to_read, states, now, using)
+    for key in [k for k in keys if k in policies.holds and readings.get(k)]:
+        if all(r.tat is None or r.tat <= now for r in readings[key]):
+            policies.release(key)
+    if for_start:
+        arrivals.note_start(arrivals.Noted(
+            spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
+            {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
+            dict(policies.holds), {k: delay_memory(states.get(k), HOLD_LATE) for k in policies.holds},
+        ))
     costs = costs or {}
     verdicts = {
         k: check_key(

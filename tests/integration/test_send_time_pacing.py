@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from dispatcher.clock import db_now, from_us
+from dispatcher.clock import db_now, from_us, to_us
 from dispatcher.limits import edit
 from dispatcher.limits.catalog import Policies
 from dispatcher.limits.guard import HOLD_SPREAD, held_guard
@@ -28,6 +28,16 @@ def measured(key: str, delay: timedelta) -> None:
     )
 
 
+def owing(key: str) -> datetime:
+    """Leave the key's bucket (1 s) owing 100 ms, as under a backlog (a full bucket is not held);
+    return its state."""
+    tat = db_now() + 100 * MS
+    KeyBucket.objects.update_or_create(
+        key=key, period=timedelta(seconds=1), defaults={"tat_us": to_us(tat), "since": db_now() - timedelta(seconds=1)}
+    )
+    return tat
+
+
 def sent_after_judged(call: CallQueue) -> timedelta:
     """How long after the clock its start was judged on the handler sent (read the database clock)."""
     call.refresh_from_db()
@@ -39,14 +49,30 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     """Held before the handler (a handler that marks no send), or where it marks its send."""
     edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
     measured("paced", 80 * MS)
+    tat = owing("paced")
     call = CallQueue.objects.send(method, {}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     assert sent_after_judged(call) >= 80 * MS
     # Charged from the recorded start (a little later than the clock it was judged on) plus the
-    # hold: one interval of 200 ms, lengthened by the guard (20 ms + the 5 ms a hold leaves).
-    # (More only if the request went out later than the guard allows: the bucket moves on by that.)
+    # hold, or from the bucket's state if later: one interval of 200 ms, lengthened by the guard
+    # (20 ms + the 5 ms a hold leaves). (More only if the request went out later than the guard
+    # allows: the bucket moves on by that.)
     (bucket,) = KeyBucket.objects.filter(key="paced")
-    assert 80 * MS + 225 * MS <= from_us(bucket.tat_us) - call.started_at < 80 * MS + 225 * MS + 20 * MS
+    charged = from_us(bucket.tat_us) - max(tat, call.started_at + 80 * MS)
+    assert 225 * MS <= charged < 225 * MS + 20 * MS
+
+
+def test_a_full_bucket_is_not_held_its_guard_takes_the_delay():
+    """At low load (the bucket full) the guard with the whole delay admits the call at once: it
+    is not held, and costs no latency."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 150 * MS)
+    call = CallQueue.objects.send("db_clock", {}, keys=["paced"])
+    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    assert sent_after_judged(call) < 150 * MS
+    # Charged at the start: one interval lengthened by the whole guard, 20 ms + 150 ms measured.
+    (bucket,) = KeyBucket.objects.filter(key="paced")
+    assert from_us(bucket.tat_us) - call.started_at == 200 * MS + 170 * MS
 
 
 def test_a_key_with_a_window_is_not_held_its_guard_takes_the_delay():
@@ -66,6 +92,7 @@ def test_a_held_key_remembers_the_delay_before_its_hold_so_a_hold_never_feeds_it
     after its start or later, but the key keeps what it took without the hold (30-odd ms)."""
     edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
     measured("paced", 80 * MS)
+    owing("paced")
     call = CallQueue.objects.send("marked_clock", {"work": 0.03}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     assert sent_after_judged(call) >= 80 * MS
@@ -75,7 +102,7 @@ def test_a_held_key_remembers_the_delay_before_its_hold_so_a_hold_never_feeds_it
     # In a new span (the memory's is 1 s) the delay before the hold is what the key keeps.
     KeyState.objects.filter(key="paced").update(send_delay_since=db_now() - timedelta(seconds=5))
     second = CallQueue.objects.send("marked_clock", {"work": 0.03}, keys=["paced"])
-    KeyBucket.objects.filter(key="paced").delete()
+    owing("paced")
     assert run_all(claim_all(second.key_set).calls) == ["done"]
     assert 30_000 <= KeyState.objects.get(key="paced").send_delay_us < 80_000
 
@@ -97,6 +124,13 @@ def test_the_guards_and_holds_a_start_applies():
     assert policies.learnt_delays == {"paced": 80 * MS + HOLD_SPREAD, "mixed": 80 * MS, "fresh": timedelta(0)}
     (paced,) = policies.for_key("paced")
     assert isinstance(paced, TokenBucket) and paced.hold == 80 * MS
+    # Released (its bucket full): the guard with the whole delay, no hold.
+    policies.release("paced")
+    assert (policies.holds, policies.guards["paced"], policies.learnt_delays["paced"]) == (
+        {"fresh": timedelta(0)}, 100 * MS, 80 * MS,
+    )
+    (paced,) = policies.for_key("paced")
+    assert isinstance(paced, TokenBucket) and (paced.hold, paced.guard) == (timedelta(0), 100 * MS)
 
 
 def test_held_guard_stays_within_the_cap():
@@ -119,6 +153,7 @@ def test_a_held_key_learns_how_late_its_requests_go_out_after_the_hold_and_its_g
     key keeps the lateness: the next start's guard absorbs it."""
     edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
     measured("paced", 80 * MS)
+    tat = owing("paced")
     call = CallQueue.objects.send("late_send", {"delay": 0.04}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     call.refresh_from_db()
@@ -127,8 +162,9 @@ def test_a_held_key_learns_how_late_its_requests_go_out_after_the_hold_and_its_g
     assert state.send_delay_us == 80_000  # the delay before the hold did not grow
     (bucket,) = KeyBucket.objects.filter(key="paced")
     late = timedelta(microseconds=state.hold_late_us)
-    # Charged from the start plus the hold (305 ms), then moved on by the lateness beyond 5 ms.
-    assert from_us(bucket.tat_us) - call.started_at >= 80 * MS + 225 * MS + late - 5 * MS
+    # Charged from the start plus the hold (or the bucket's state), then moved on by the lateness
+    # beyond the 5 ms its guard allowed.
+    assert from_us(bucket.tat_us) - max(tat, call.started_at + 80 * MS) >= 225 * MS + late - 5 * MS
     policies = Policies.load()
     policies.apply_guards(["paced"], {"paced": state}, db_now())
     assert policies.guards["paced"] == 20 * MS + late
