@@ -91,6 +91,16 @@ def test_a_bad_query_string_is_a_400_not_a_500(viewer, url):
     assert viewer.get(url).status_code == 400
 
 
+@pytest.mark.parametrize("url", LISTS)
+def test_a_search_longer_than_a_page_is_a_400_not_a_500(viewer, secret_call, url):
+    """SQLite refuses a LIKE pattern past 50,000 bytes; every list refuses such a search first."""
+    assert viewer.get(f"{url}?q={'a' * 60_000}").status_code == 400
+    assert viewer.get(f"{url}?q={'{' * 1001}").status_code == 400
+    page = viewer.get(f"{url}?q={'a' * 1000}")
+    assert page.status_code == 200
+    assert not listed(page, secret_call)
+
+
 @pytest.mark.parametrize("query", ADMIN_QUERY_STRINGS)
 @pytest.mark.parametrize("url", LISTS)
 def test_corpus_query_strings_never_fail_nor_reveal(viewer, secret_call, url, query):
