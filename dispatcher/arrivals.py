@@ -186,17 +186,13 @@ def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> No
         carry(*noted)
 
 
-def for_keys(noted: Noted | None, keys: list[str]) -> Noted | None:
-    """Return what a start noted, only for these keys (a group's start noted all its calls' keys)."""
-    return None if noted is None else noted.of(keys)
-
-
 def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
     (for its ``keys`` only, when given); set until when its request is held."""
     run = here()
     run.sent = run.invoked = run.natural = run.hold_until = None
-    noted = run.noted if keys is None else for_keys(run.noted, keys)
+    # A group's start noted all its calls' keys: this call's only.
+    noted = run.noted if keys is None or run.noted is None else run.noted.of(keys)
     if noted is not None and noted.holds:
         # From just after the start's clock was read: on the database's time the request then
         # leaves no sooner than the start's clock plus the hold, the moment its buckets judged.
