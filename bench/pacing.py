@@ -24,6 +24,11 @@ WORKERS: dict[str, dict[str, Any]] = {
     "1 late -P threads -c 32 worker running 100 ms calls of another key": {
         "pool": "threads", "concurrency": 32, "busy_calls": 200,
     },
+    # The same thread pool and other calls, the paced calls routed to a queue and a `-c 4` prefork
+    # worker of their own: what is left when they no longer wait behind the other calls.
+    "the same -P threads -c 32 worker for the other key, the paced calls on a queue and worker of their own": {
+        "pool": "threads", "concurrency": 32, "busy_calls": 200, "paced_worker": {"concurrency": 4, "pool": "prefork"},
+    },
     # What the configured guard costs a smooth rate: the first row with it off, as for an API on
     # the same host (the network adds no spread the workers do not measure). Not the default.
     "1 late worker, DISPATCHER_ARRIVAL_GUARD=0": {"settings": {"DISPATCHER_ARRIVAL_GUARD": "0"}},

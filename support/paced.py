@@ -34,6 +34,7 @@ def load(procs, seconds: float) -> Any:
 def run_behind_nginx(
     procs, api, nginx, calls: dict[str, int], *, dispensers: int = 2, workers: int = 1, concurrency: int = 4,
     queue: str | None = None, extra_env: dict[str, str] | None = None, pool: str = "prefork", busy_calls: int = 0,
+    paced_worker: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Send ``calls[zone]`` http calls to each nginx zone; return per zone the 429s, the share of
     nginx's capacity used, the smallest gap at the API and the runs per call.
@@ -41,7 +42,11 @@ def run_behind_nginx(
     ``busy_calls``: as many calls of 100 ms to the fake API go through the same workers at the
     same time, on a key of their own limited to ``BUSY_RATE`` a second (under ``-P threads`` they
     keep the worker's GIL busy, as a real site's other calls do; the limit keeps the broker's
-    queue short, so the paced calls do not wait behind them)."""
+    queue short, so the paced calls do not wait behind them).
+
+    ``paced_worker`` (its ``concurrency`` and ``pool``): the paced calls go to a queue of their own,
+    served by a worker of their own (one more, on the same machine), as a site routes a paced
+    key away from its other calls; the workers above serve the other calls."""
     from dispatcher.models import CallQueue
 
     if busy_calls:
@@ -57,7 +62,7 @@ def run_behind_nginx(
                 "method": "http",
                 "params": {"method": "GET", "url": f"{nginx.url}/{zone}/{i}", "headers": {"x-call": f"{zone}-{i}"}},
                 "keys": [f"nginx:{zone}"],
-            }
+            } | ({"queue": f"{queue or procs.queue}-paced"} if paced_worker is not None else {})
             for i in range(n)
         ])
     for _ in range(dispensers):
@@ -66,6 +71,8 @@ def run_behind_nginx(
     time.sleep(2)
     for _ in range(workers):
         procs.worker(queue or procs.queue, concurrency=concurrency, extra_env=extra_env, pool=pool)
+    if paced_worker is not None:
+        procs.worker(f"{queue or procs.queue}-paced", extra_env=extra_env, **paced_worker)
     longest = max(n / nginx.rates[zone] for zone, n in calls.items())
     done = wait_until(
         lambda: not CallQueue.objects.exclude(status__in=CallQueue.FINISHED).exists(), timeout=longest * 3 + 60, interval=0.5
