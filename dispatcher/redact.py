@@ -28,6 +28,7 @@ import binascii
 import logging
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -63,9 +64,11 @@ _PAIR = re.compile(
     r"(?P<value>\"[^\"\n]{0,1000}\"|'[^'\n]{0,1000}'|[^&;#\s'\",]++)"
 )
 # "name": "value", 'name': 'value' (JSON quoted in an error, a Python repr), or a bare value.
+# The value is matched in a look-ahead: a member consumes its value only when it is replaced
+# (``_scan``), so a quote in another member's value may open the next name.
 _MEMBER = re.compile(
     r"(?P<q>[\"'])(?P<name>[^\"'\\\n]{1,100})(?P=q)[ \t]*:[ \t]*"
-    r"(?:\"(?P<dq>(?:[^\"\\]++|\\.)*+)\"|'(?P<sq>(?:[^'\\]++|\\.)*+)'|(?P<bare>[^\s,}\]\"']++))"
+    r"(?=\"(?P<dq>(?:[^\"\\]++|\\.)*+)\"|'(?P<sq>(?:[^'\\]++|\\.)*+)'|(?P<bare>[^\s,}\]\"']++))"
 )
 # Name: value on a header line (the rest of the line), or inside a sentence (up to a space or quote).
 _HEADER = re.compile(r"(?m)^(?P<lead>[ \t]*+)(?P<name>[A-Za-z0-9_%\-]{1,100}):[ \t]*+(?P<value>[^\r\n]*)")
@@ -136,15 +139,38 @@ def _pair(m: re.Match[str]) -> str:
     return f"{m['name']}{m['eq']}{REDACTED}" if _secret(m["name"]) and _hidden(m["value"]) else m[0]
 
 
-def _member(m: re.Match[str]) -> str:
+def _member(m: re.Match[str]) -> tuple[str, int] | None:
+    """Return a secret member's replacement and where its value ends (None: leave it)."""
     if not _secret(m["name"]):
-        return m[0]
+        return None
     q = m["q"]
     if m["dq"] is not None:
-        return f'{q}{m["name"]}{q}: "{REDACTED}"'
+        return f'{q}{m["name"]}{q}: "{REDACTED}"', m.end("dq") + 1
     if m["sq"] is not None:
-        return f"{q}{m['name']}{q}: '{REDACTED}'"
-    return f"{q}{m['name']}{q}: {REDACTED}" if _hidden(m["bare"]) else m[0]
+        return f"{q}{m['name']}{q}: '{REDACTED}'", m.end("sq") + 1
+    return (f"{q}{m['name']}{q}: {REDACTED}", m.end("bare")) if _hidden(m["bare"]) else None
+
+
+def _scan(pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], tuple[str, int] | None]) -> str:
+    """Run a name-and-value pattern whose value is matched in a look-ahead: ``decide`` returns
+    what replaces a match up to where its value ends, or None to consume only the name, so that
+    what the value holds is scanned too: in ``':':'\n'password': 'x'`` the value of the member
+    ``':'`` would otherwise take the quote that opens ``'password'``. A replaced quoted value's
+    closing quote may open the next name. Linear: a value's look-ahead stops at its first quote,
+    and a member inside it can only begin at an escaped quote and end at that one."""
+    out: list[str] = []
+    done = 0
+    for m in pattern.finditer(text):
+        reuse = bool(out) and m.start() == done - 1 and text[m.start()] in "\"'"
+        if m.start() < done and not reuse:
+            continue
+        found = decide(m)
+        if found is None:
+            continue
+        new, end = found
+        out += [text[done:m.start()], new[1:] if reuse else new]
+        done = end
+    return "".join(out) + text[done:] if out else text
 
 
 def _header(m: re.Match[str]) -> str:
@@ -173,7 +199,7 @@ def _redact_text(text: str, secrets: list[str]) -> str:
             text = _PAIR.sub(_pair, text)
         if ":" in text:
             if '"' in text or "'" in text:
-                text = _MEMBER.sub(_member, text)
+                text = _scan(_MEMBER, text, _member)
             text = _HEADER.sub(_header, text)
             text = _INLINE_HEADER.sub(
                 lambda m: f"{m['name']}: {REDACTED}" if _secret(m["name"]) and _hidden(m["value"]) else m[0], text

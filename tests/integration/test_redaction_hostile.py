@@ -7,7 +7,7 @@ import logging
 
 import pytest
 from django.contrib.auth.models import User
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.models import CallQueue
@@ -103,6 +103,9 @@ noise = st.text(alphabet=" \n\t,;&=:'\"<>/abcxyz", max_size=30)
 
 @settings(max_examples=300, deadline=None)
 @given(names, values, shapes, noise, noise)
+# Found in CI: the member ``':'`` before it took the quote that opens ``'password'`` as its value's.
+@example("password", "000000", "'{n}': '{v}'", "':':'", "")
+@example("api_key", "zzzzzz", "'{n}': '{v}'", "'password': '", "")
 def test_a_secret_named_value_never_shows_whatever_surrounds_it(name, value, shape, before, after):
     if shape.startswith("<"):
         name = name.replace("-", "_").replace("%5F", "_")  # an element name
