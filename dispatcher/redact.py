@@ -28,7 +28,6 @@ import binascii
 import logging
 import os
 import re
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -65,7 +64,7 @@ _PAIR = re.compile(
 )
 # "name": "value", 'name': 'value' (JSON quoted in an error, a Python repr), or a bare value.
 # The value is matched in a look-ahead: a member consumes its value only when it is replaced
-# (``_scan``), so a quote in another member's value may open the next name.
+# (``_members``), so a quote in another member's value may open the next name.
 _MEMBER = re.compile(
     r"(?P<q>[\"'])(?P<name>[^\"'\\\n]{1,100})(?P=q)[ \t]*:[ \t]*"
     r"(?=\"(?P<dq>(?:[^\"\\]++|\\.)*+)\"|'(?P<sq>(?:[^'\\]++|\\.)*+)'|(?P<bare>[^\s,}\]\"']++))"
@@ -151,20 +150,20 @@ def _member(m: re.Match[str]) -> tuple[str, int] | None:
     return (f"{q}{m['name']}{q}: {REDACTED}", m.end("bare")) if _hidden(m["bare"]) else None
 
 
-def _scan(pattern: re.Pattern[str], text: str, decide: Callable[[re.Match[str]], tuple[str, int] | None]) -> str:
-    """Run a name-and-value pattern whose value is matched in a look-ahead: ``decide`` returns
-    what replaces a match up to where its value ends, or None to consume only the name, so that
-    what the value holds is scanned too: in ``':':'\n'password': 'x'`` the value of the member
-    ``':'`` would otherwise take the quote that opens ``'password'``. A replaced quoted value's
-    closing quote may open the next name. Linear: a value's look-ahead stops at its first quote,
-    and a member inside it can only begin at an escaped quote and end at that one."""
+def _members(text: str) -> str:
+    """Replace the value of every secret-named member. A member whose name is not secret consumes
+    only its name, so what its value holds is scanned too: in ``':':'\n'password': 'x'`` the
+    value of the member ``':'`` would otherwise take the quote that opens ``'password'``. A
+    replaced quoted value's closing quote may open the next name. Linear: a value's look-ahead
+    stops at its first quote, and a member inside it can only begin at an escaped quote and end
+    at that one."""
     out: list[str] = []
     done = 0
-    for m in pattern.finditer(text):
+    for m in _MEMBER.finditer(text):
         reuse = bool(out) and m.start() == done - 1 and text[m.start()] in "\"'"
         if m.start() < done and not reuse:
             continue
-        found = decide(m)
+        found = _member(m)
         if found is None:
             continue
         new, end = found
@@ -199,7 +198,7 @@ def _redact_text(text: str, secrets: list[str]) -> str:
             text = _PAIR.sub(_pair, text)
         if ":" in text:
             if '"' in text or "'" in text:
-                text = _scan(_MEMBER, text, _member)
+                text = _members(text)
             text = _HEADER.sub(_header, text)
             text = _INLINE_HEADER.sub(
                 lambda m: f"{m['name']}: {REDACTED}" if _secret(m["name"]) and _hidden(m["value"]) else m[0], text

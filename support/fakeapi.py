@@ -165,6 +165,8 @@ class FakeAPI:
     # Requests admitted and not yet done with their work (concurrency counts these).
     serving: int = 0
     max_serving: int = 0
+    # Whether this partner's start froze the test process's heap (``_partner_started``).
+    frozen_heap: bool = field(default=False, repr=False)
 
     def start(self) -> FakeAPI:
         api = self
@@ -195,7 +197,7 @@ class FakeAPI:
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         _partner_started()
-        self._freezing = True
+        self.frozen_heap = True
         self.thread.start()
         return self
 
@@ -206,8 +208,8 @@ class FakeAPI:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-        if getattr(self, "_freezing", False):
-            self._freezing = False
+        if self.frozen_heap:
+            self.frozen_heap = False
             _partner_stopped()
 
     def _serve(self, req: BaseHTTPRequestHandler) -> None:
