@@ -53,7 +53,7 @@ def _pretty_json(value: Any) -> str:
 
 class RefuseUnstorableMixin(ModelAdmin):
     """Apply only the filters a list offers; answer 400 to a NUL, a selected id past bigint, or a
-    search longer than ``MAX_SEARCH`` characters.
+    search or filter value longer than ``MAX_SEARCH`` characters.
 
     Django's ``lookup_allowed`` accepts any lookup on a local field from the query string
     (``?params__json__password__startswith=h``, ``?last_error__regex=``, ``?run_at__year=99999``):
@@ -84,8 +84,11 @@ class RefuseUnstorableMixin(ModelAdmin):
         for params in (request.GET, request.POST):
             if any("\x00" in name or any("\x00" in value for value in values) for name, values in params.lists()):
                 return HttpResponseBadRequest("A query or form value holds a NUL character.", content_type="text/plain")
-        if len(request.GET.get(SEARCH_VAR, "")) > MAX_SEARCH:
-            return HttpResponseBadRequest(f"A search is at most {MAX_SEARCH} characters.", content_type="text/plain")
+        # Every value, not only the search: a filter's value becomes a LIKE pattern too (?key=).
+        for name, values in request.GET.lists():
+            if any(len(value) > MAX_SEARCH for value in values):
+                what = "A search" if name == SEARCH_VAR else f"The value of {name[:100]!r}"
+                return HttpResponseBadRequest(f"{what} is at most {MAX_SEARCH} characters.", content_type="text/plain")
         for value in request.POST.getlist(helpers.ACTION_CHECKBOX_NAME):
             if not (value.isascii() and value.isdigit() and len(value) <= 19 and int(value) <= MAX_ID):
                 return HttpResponseBadRequest("Selected ids must be whole numbers of a row.", content_type="text/plain")

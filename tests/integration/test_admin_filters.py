@@ -103,6 +103,18 @@ def test_a_search_longer_than_a_page_is_a_400_not_a_500(viewer, secret_call, url
         assert not listed(page, secret_call)
 
 
+@pytest.mark.parametrize("url", LISTS)
+def test_a_filter_value_longer_than_a_search_is_a_400_not_a_500(viewer, secret_call, url):
+    """A filter's value becomes a LIKE pattern too (the calls' ``?key=``): every value of a list's
+    query string is bounded as the search is, whatever its name, and one within the bound is served."""
+    for name in ("key", "method", "state", "q", "o", "anything"):
+        response = viewer.get(url, {name: "k" * 60_000})
+        assert response.status_code == 400, name
+        assert "at most 5000 characters" in response.content.decode()
+    if url == CALLS:  # the list whose key filter builds the pattern
+        assert viewer.get(url, {"key": "k" * 5000}).status_code == 200
+
+
 @pytest.mark.parametrize("query", ADMIN_QUERY_STRINGS)
 @pytest.mark.parametrize("url", LISTS)
 def test_corpus_query_strings_never_fail_nor_reveal(viewer, secret_call, url, query):
