@@ -57,11 +57,11 @@ _USERINFO = re.compile(
     r"(?<![A-Za-z0-9+.\-])(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]{0,40}://)(?P<user>[^:/@\s]{0,200}):(?P<password>[^@/\s]++)@"
 )
 # name=value (query strings, form bodies, prose ``password = x``); the value ends at &, ;, #,
-# a comma, whitespace or a quote, or is quoted itself.
-_PAIR = re.compile(
-    rf"(?<![{_NAME_CHARS}])(?P<name>[{_NAME_CHARS}]{{1,200}})(?P<eq>[ \t]*=[ \t]*)"
-    r"(?P<value>\"[^\"\n]{0,1000}\"|'[^'\n]{0,1000}'|[^&;#\s'\",]++)"
-)
+# a comma, whitespace or a quote, or is quoted itself (to its closing quote, or the line's end).
+# Only ``name=`` is consumed (``_named``): the value is read for a secret name alone, so the
+# value of another name (``note="retry password=x"``, ``note=password=x``) is scanned too.
+_PAIR = re.compile(rf"(?<![{_NAME_CHARS}])(?P<name>[{_NAME_CHARS}]{{1,200}})(?P<eq>[ \t]*+=[ \t]*+)")
+_PAIR_VALUE = re.compile(r"\"[^\"\n]*+\"?|'[^'\n]*+'?|[^&;#\s'\",]++")
 # "name": "value", 'name': 'value' (JSON quoted in an error, a Python repr), or a bare value.
 # The value is matched in a look-ahead: a member consumes its value only when it is replaced
 # (``_members``), so a quote in another member's value may open the next name.
@@ -71,7 +71,8 @@ _MEMBER = re.compile(
 )
 # Name: value on a header line (the rest of the line), or inside a sentence (up to a space or quote).
 _HEADER = re.compile(r"(?m)^(?P<lead>[ \t]*+)(?P<name>[A-Za-z0-9_%\-]{1,100}):[ \t]*+(?P<value>[^\r\n]*)")
-_INLINE_HEADER = re.compile(r"(?<![A-Za-z0-9_%\-])(?P<name>[A-Za-z0-9_%\-]{1,100}):[ \t]*+(?P<value>[^\s'\",;]++)")
+_INLINE_HEADER = re.compile(r"(?<![A-Za-z0-9_%\-])(?P<name>[A-Za-z0-9_%\-]{1,100})(?P<eq>:[ \t]*+)")
+_INLINE_VALUE = re.compile(r"[^\s'\",;]++")
 # <name attr="...">value</name>
 _ELEMENT = re.compile(
     r"<(?P<tag>[A-Za-z_][\w.\-:]{0,100})(?P<attrs>\s[^<>]{0,1000})?>(?P<value>[^<]*+)</(?P=tag)\s*>"
@@ -134,8 +135,24 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def _pair(m: re.Match[str]) -> str:
-    return f"{m['name']}{m['eq']}{REDACTED}" if _secret(m["name"]) and _hidden(m["value"]) else m[0]
+def _named(text: str, head: re.Pattern[str], value: re.Pattern[str], sep: str | None = None) -> str:
+    """Replace the value after every secret name ``head`` finds (``name=``, ``name:``) with
+    REDACTED (the name and ``sep``, else what separated them, kept). ``head`` consumes only the
+    name and its separator: a value is read (``value`` at its start) for a secret name alone, and
+    skipped once replaced, so whatever another name's value holds is scanned as any text.
+    Linear: each head is matched once, and each character is in at most one value read."""
+    out: list[str] = []
+    done = at = 0
+    while (m := head.search(text, at)) is not None:
+        at = m.end()
+        if not _secret(m["name"]):
+            continue
+        found = value.match(text, at)
+        if found is None or not _hidden(found[0]):
+            continue
+        out += [text[done:m.start()], m["name"], m["eq"] if sep is None else sep, REDACTED]
+        done = at = found.end()
+    return "".join(out) + text[done:] if out else text
 
 
 def _member(m: re.Match[str]) -> tuple[str, int] | None:
@@ -193,20 +210,20 @@ def _redact_text(text: str, secrets: list[str]) -> str:
     if "://" in text and "@" in text:
         text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@", text)
     lowered = text.lower()
+    # Credentials first: a name's value read up to a space would be the scheme alone
+    # (``note: Authorization: Bearer x``), and the scheme replaced would hide the credential.
+    if any(word in lowered for word in _SCHEMES):
+        text = _CREDENTIAL.sub(lambda m: f"{m['scheme'] or m['tscheme']}{m['gap'] or m['tgap']}{REDACTED}", text)
     if any(word in lowered for word in _NAMED):
         if "=" in text:
-            text = _PAIR.sub(_pair, text)
+            text = _named(text, _PAIR, _PAIR_VALUE)
         if ":" in text:
             if '"' in text or "'" in text:
                 text = _members(text)
             text = _HEADER.sub(_header, text)
-            text = _INLINE_HEADER.sub(
-                lambda m: f"{m['name']}: {REDACTED}" if _secret(m["name"]) and _hidden(m["value"]) else m[0], text
-            )
+            text = _named(text, _INLINE_HEADER, _INLINE_VALUE, sep=": ")
         if "</" in text:
             text = _ELEMENT.sub(_element, text)
-    if any(word in lowered for word in _SCHEMES):
-        text = _CREDENTIAL.sub(lambda m: f"{m['scheme'] or m['tscheme']}{m['gap'] or m['tgap']}{REDACTED}", text)
     return text
 
 

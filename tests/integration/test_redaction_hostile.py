@@ -37,6 +37,18 @@ TOKEN = "t0ken-for-redaction-tests"
     "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1hunter2zz",  # cut off before its end
     "https://ann:hunter2zz@api.example.com/",
     "Authorization: Bearer hunter2zz",
+    # Inside the value of a name that is not secret: the value is scanned as any text.
+    'note="retry password=hunter2zz"',
+    "note='retry password=hunter2zz'",
+    "note=password=hunter2zz",
+    "a=1&b=c=password=hunter2zz",
+    "note: api_key: hunter2zz",
+    "X-Note: api_key: hunter2zz",
+    'note="Authorization: Bearer hunter2zz"',
+    "sent Authorization: Bearer hunter2zz to the API",
+    # A quoted value longer than a line of text, or never closed.
+    'password="' + "x" * 1200 + 'hunter2zz"',
+    'password="hunter2zz and more',
 ])
 def test_every_secret_shape_is_hidden(text):
     shown = redact_text(text)
@@ -110,6 +122,22 @@ def test_a_secret_named_value_never_shows_whatever_surrounds_it(name, value, sha
     if shape.startswith("<"):
         name = name.replace("-", "_").replace("%5F", "_")  # an element name
     text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
+    assert value not in redact_text(text)
+
+
+# A construct whose name is not secret, its value holding the secret shape: a pair (quoted or
+# not), a header, a member, an element.
+holders = st.sampled_from([
+    'note="{}"', "note='{}'", "note={}", "note: {}", "X-Note: {}", '{{"note": "{}"}}', "<note>{}</note>", "a=1&b={}",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(names, values, shapes, holders, noise)
+def test_a_secret_named_value_never_shows_inside_another_names_value(name, value, shape, holder, before):
+    if shape.startswith("<"):
+        name = name.replace("-", "_").replace("%5F", "_")  # an element name
+    text = before + holder.format(shape.format(n=name, v=value))
     assert value not in redact_text(text)
 
 
