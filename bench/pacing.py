@@ -19,20 +19,22 @@ RATES = {"r5": 5, "r20": 20}
 SECONDS = {"quick": 8, "full": 20}
 # The workers behind nginx: the scenario's own, and a big thread pool that also runs a steady
 # stream of 100 ms calls of another key (support.paced.BUSY_RATE a second; per second of sending).
-WORKERS: dict[str, dict[str, Any]] = {
-    "1 late worker": {},
-    "1 late -P threads -c 32 worker running 100 ms calls of another key": {
+WORKERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "prefork": ("1 late worker", {}),
+    "threads": ("1 late -P threads -c 32 worker running 100 ms calls of another key", {
         "pool": "threads", "concurrency": 32, "busy_calls": 200,
-    },
+    }),
     # The same thread pool and other calls, the paced calls routed to a queue and a `-c 4` prefork
     # worker of their own: what is left when they no longer wait behind the other calls.
-    "the same -P threads -c 32 worker for the other key, the paced calls on a queue and worker of their own": {
+    "routed": ("the same -P threads -c 32 worker for the other key, the paced calls on a queue and worker of their own", {
         "pool": "threads", "concurrency": 32, "busy_calls": 200, "paced_worker": {"concurrency": 4, "pool": "prefork"},
-    },
+    }),
     # What the configured guard costs a smooth rate: the first row with it off, as for an API on
     # the same host (the network adds no spread the workers do not measure). Not the default.
-    "1 late worker, DISPATCHER_ARRIVAL_GUARD=0": {"settings": {"DISPATCHER_ARRIVAL_GUARD": "0"}},
+    "guard0": ("1 late worker, DISPATCHER_ARRIVAL_GUARD=0", {"settings": {"DISPATCHER_ARRIVAL_GUARD": "0"}}),
 }
+# BENCH_PACING_ROWS: the rows to run, by the names above and "shapes" (comma-separated; default all).
+ROWS = (*WORKERS, "shapes")
 SHAPE_LABELS = {
     "window": "sliding window 10 per 2 s",
     "bucket": "token bucket 5/s, burst 10",
@@ -94,7 +96,11 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
     load_before = os.getloadavg()[0]
     if not nginx.available():
         rows.append(Figure("paced behind nginx", "skipped: no nginx (make bench-deps)", "", "", None))
-    for workers, setup in WORKERS.items() if nginx.available() else ():
+    chosen = [row.strip() for row in os.environ.get("BENCH_PACING_ROWS", ",".join(ROWS)).split(",") if row.strip()]
+    unknown = set(chosen) - set(ROWS)
+    if unknown:
+        raise ValueError(f"BENCH_PACING_ROWS: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ROWS)}")
+    for workers, setup in (WORKERS[row] for row in chosen if row in WORKERS and nginx.available()):
         started = time.monotonic()
         setup = dict(setup)
         settings = setup.pop("settings", {})
@@ -111,7 +117,7 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
                 f["used"] >= 0.95 and f["refused"] == 0,
                 {**f, "load_before": load_before, "seconds": time.monotonic() - started},
             ))
-    shapes = _shapes_run(ctx, {})
+    shapes = _shapes_run(ctx, {}) if "shapes" in chosen else {}
     for name, f in shapes.items():
         rows.append(Figure(
             f"paced: {SHAPE_LABELS[name]} (3 dispensers, 2 late workers, busy machine)",
