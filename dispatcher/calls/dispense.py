@@ -98,7 +98,7 @@ def claim_batch(
         # Judge the windows a little ahead, so a call claimed for a slot about to free
         # reaches its worker as the slot frees; the start re-checks on the clock of then.
         at = now + dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
-        by_key = gate.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db)
+        by_key = gate.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db, since=now)
         room = {key: verdict.room for key, verdict in by_key.items()}
         # A key's first call of the pass may cost more than its room when its bucket admits
         # one call beyond its depth (TokenBucket.alone): nothing else is promised then.
@@ -186,7 +186,7 @@ def claim_batch(
             for costs in walled.values():
                 for key, units in costs.items():
                     need[key] = max(need.get(key, 1), units)
-            after = gate.assess(filled, states, at, policies, for_start=False, costs=need, using=manager.db).verdicts
+            after = gate.assess(filled, states, at, policies, for_start=False, costs=need, using=manager.db, since=now).verdicts
             for text, keys in parsed.items():
                 if not result.verdicts[text].blocked and any(key in after for key in keys):
                     result.verdicts[text] = gate.combine([after.get(key, by_key[key]) for key in keys])

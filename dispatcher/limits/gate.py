@@ -229,13 +229,17 @@ def check_key(
     cost: int = 1,
     using: str | None = None,
     running: int | None = None,
+    since: datetime | None = None,
 ) -> Verdict:
     """Return the room (in units) a key has now for a call of ``cost`` units.
 
     For a dispense (``for_start=False``) calls already dispatched but not started count as
     if they had started; at the start itself only real starts and running calls count.
     ``readings`` are the key's policy readings and ``running`` its running calls if already read
-    (see ``read_keys``).
+    (see ``read_keys``). ``since``: a dispense judging ahead of its clock (``now`` is ahead of
+    ``since``) counts the units it promised a bucket as starting in turn from ``since`` on
+    (``TokenBucket.promised``), so a smooth rate has its next calls claimed as far ahead as
+    the pass looks, not only once the one before has started.
     """
     paused_until = _paused_until(key, state, now, policies)
     if paused_until is not None:
@@ -260,8 +264,11 @@ def check_key(
     if readings is None:
         readings = read_policies({key: governing}, {key: state}, now, using)[key]
     for policy, reading in zip(governing, readings, strict=True):
-        room = policy.room(reading, now, reserved_units)
-        alone = policy.alone(reading, now, reserved_units)
+        promised = reserved_units
+        if since is not None and promised and isinstance(policy, TokenBucket):
+            reading, promised = policy.promised(reading, since, promised), 0
+        room = policy.room(reading, now, promised)
+        alone = policy.alone(reading, now, promised) if promised == reserved_units else room
         learnt = any(policy is p for p in policies.learnt.get(key, ()))
         if learnt and room >= policy.capacity():
             # An API may announce less than one call costs: in a window empty of others, one call
@@ -273,7 +280,7 @@ def check_key(
                 verdicts.append(Verdict(room=cost, key=key, alone=UNLIMITED))
                 continue
             verdicts.append(Verdict(
-                room=0, until=policy.frees_at(reading, now, policy.capacity(), reserved_units),
+                room=0, until=policy.frees_at(reading, now, policy.capacity(), promised),
                 reason=f"{policy.label()} used", key=key, kind=WaitKind.LEARNT,
             ))
             continue
@@ -284,7 +291,7 @@ def check_key(
             # A call beyond the bucket's depth, alone on a bucket full long enough.
             verdicts.append(Verdict(room=cost, key=key, alone=alone))
             continue
-        until = policy.frees_at(reading, now, cost, reserved_units)
+        until = policy.frees_at(reading, now, cost, promised)
         verdicts.append(Verdict(
             room=0, until=until, reason=f"{policy.label()} used", key=key, kind=WaitKind.LEARNT if learnt else WaitKind.RATE,
         ))
@@ -310,6 +317,7 @@ def assess(
     costs: Mapping[str, int] | None = None,
     using: str | None = None,
     read: Read | None = None,
+    since: datetime | None = None,
 ) -> Assessment:
     """Judge every key, reading all their policies in one query (none if ``read`` has them).
 
@@ -342,7 +350,7 @@ def assess(
     verdicts = {
         k: check_key(
             k, states[k], now, policies, for_start=for_start, readings=readings.get(k, []), cost=costs.get(k, 1),
-            running=running.get(k, 0),
+            running=running.get(k, 0), since=since,
         )
         for k in keys
     }
@@ -357,9 +365,10 @@ def check_each_key(
     *,
     for_start: bool,
     using: str | None = None,
+    since: datetime | None = None,
 ) -> dict[str, Verdict]:
     """Return the room of each key, reading all their policies in one query."""
-    return assess(keys, states, now, policies, for_start=for_start, using=using).verdicts
+    return assess(keys, states, now, policies, for_start=for_start, using=using, since=since).verdicts
 
 
 def _paused_until(key: str, state: KeyState, now: datetime, policies: Policies) -> datetime | None:

@@ -303,6 +303,14 @@ class TokenBucket(Policy):
             when = min(when, max(now, reading.tat + _ceil_us(need * self.interval - self.tolerance)))
         return when
 
+    def promised(self, reading: Reading, since: datetime, units: int) -> Reading:
+        """Return the reading once ``units`` promised to calls not started yet have started, in
+        turn, each as soon as the bucket admits it from ``since`` on (GCRA charges them as one):
+        a dispense judging ahead of ``since`` may then promise the calls whose turns come within
+        its look-ahead, not only once the ones before have started (each start is judged again,
+        on the clock of then)."""
+        return Reading(tat=self.charge(reading, since, units))
+
     def charge(self, reading: Reading, now: datetime, cost: int) -> datetime:
         now += self.hold  # the send moment
         base = max(reading.tat, now) if reading.tat is not None else now

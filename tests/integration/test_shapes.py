@@ -90,6 +90,26 @@ def test_a_bucket_admits_its_burst_then_waits_one_interval_per_call(settings):
     assert (status.policies[0].used, status.policies[0].policy.capacity()) == (3, 3)
 
 
+def test_a_dispenser_claims_a_smooth_rates_next_calls_as_far_ahead_as_it_looks(settings):
+    """15 per second, no burst, a claim looking DISPATCH_AHEAD (100 ms) ahead: the next call is
+    claimed while the one before still waits for its worker, as its turn (67 ms on) comes within
+    the look ahead; not a third, whose turn (133 ms on) does not. The starts still take one turn
+    each."""
+    settings.DISPATCHER_ARRIVAL_GUARD = "0"
+    edit.set_policy("nginx", 15, timedelta(seconds=1), burst=1)  # one every 66.7 ms
+    for _ in range(4):
+        CallQueue.objects.send("greet", {"name": "ada"}, keys=["nginx"])
+    key_set = CallQueue.objects.first().key_set
+    first, second, third = claim_all(key_set, 1), claim_all(key_set), claim_all(key_set)
+    assert (len(first.calls), len(second.calls), len(third.calls)) == (1, 1, 0)
+    assert third.verdict.blocked and third.verdict.until is not None
+    # The starts still take one turn each: the second waits for its slot (early), then starts.
+    assert run_all(first.calls) == ["done"]
+    assert run_all(second.calls) == ["done"]
+    starts = list(StartLog.objects.filter(key="nginx").order_by("started_at").values_list("started_at", flat=True))
+    assert starts[1] - starts[0] >= timedelta(microseconds=66_667)
+
+
 def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_started_alone(settings):
     """A learnt guard of 2.5 s takes 3 tokens of a 10-deep bucket (one per second): depth 7, no
     rate lost. A call of 10 units, which send() accepted, still starts, alone, on a full bucket."""
