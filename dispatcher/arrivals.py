@@ -1,4 +1,5 @@
-"""The start-to-send delay, measured by the worker that runs each call (the learnt arrival guard).
+"""The start-to-send delay, measured by the worker that runs each call (the learnt arrival guard),
+and the hold of a request paced at its send moment.
 
 A start is recorded on the database clock; the API counts the request when it arrives. The
 worker notes its own monotonic clock just before the query that reads the database clock for a
@@ -13,12 +14,16 @@ Send-time pacing: a key whose policies are all buckets (a smooth rate, a token b
 absorb the delay in its guard. Its buckets judge and charge each start at the start plus the
 delay measured lately (the hold), and the worker holds the request until then, counted on its
 own monotonic clock from just after the start read the database's (``hold``): a request leaves
-no sooner than the moment its bucket was judged at, and the guard covers only what a hold leaves
-(the lateness after it measured lately, at least ``HOLD_SPREAD``) and the network. Such a key remembers the
-delay measured before the hold (``Sent.natural``), so a hold never feeds itself, and its
-lateness after the hold; every other key the delay after it. The built-in http handler holds the
-request just before its headers are written; another handler is held before it is invoked,
-unless it is registered with ``marks_sent`` (then where it calls ``mark_sent``).
+no sooner than the moment its bucket was judged at. Its guard covers the network and how late
+after that moment the request may go out (``TokenBucket.lateness``). A request released later
+than that (a worker descheduled, a slow start) moves its buckets on by its lateness before it
+goes, as long as no later start was judged on them (``ledger.move_on``); once one was, it does
+not go at all (``SendMissed``: the call waits again, its attempt refunded). So exactness never
+depends on a worker being on time. Such a key remembers the delay measured before the hold
+(``Sent.natural``), so a hold never feeds itself; every other key the delay after it. The
+built-in http handler holds the request just before its headers are written; another handler
+is held before it is invoked, unless it is registered with ``marks_sent`` (then where it calls
+``mark_sent``).
 """
 from __future__ import annotations
 
@@ -28,14 +33,16 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from dispatcher.limits.guard import HOLD_LATE, SEND_DELAY, DelayMemory, remember_delay
+from django.db import DatabaseError
+
+from dispatcher.limits.guard import GUARD_MAX, DelayMemory, remember_delay
 from dispatcher.running import carry, here
 
 
 class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
-    database time, what its guard allows a request after the start, its buckets' periods; for a
-    held key its hold and what it remembers of its lateness after a hold."""
+    database time, what its guard allows a request after the start, its buckets' periods, and
+    for a held key its hold."""
 
     spans: dict[str, timedelta]
     kept: dict[str, DelayMemory]
@@ -43,7 +50,6 @@ class Noted(NamedTuple):
     allowed: dict[str, timedelta]
     buckets: dict[str, list[timedelta]]
     holds: dict[str, timedelta]
-    late: dict[str, DelayMemory]
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
@@ -52,8 +58,39 @@ class Noted(NamedTuple):
 
         return Noted(
             mine(self.spans), mine(self.kept), self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
-            mine(self.late),
         )
+
+
+# Per key, its buckets: (period, the state its start left it in, µs).
+Buckets = dict[str, list[tuple[timedelta, int]]]
+# Moves a late request's buckets on (``ledger.move_on``: the buckets, the deadline on the
+# database's clock, the pad; how far they moved or None): the worker gives it, as this module
+# loads with the package, before any model may be defined.
+MoveOn = Callable[[Buckets, datetime, timedelta], "timedelta | None"]
+
+
+class Held(NamedTuple):
+    """A held request: this thread's monotonic time just after its start read the database clock
+    and that clock (both later by any move its start carried), what each held key allows the
+    request after it (its hold and lateness), the states its start left the keys' buckets in,
+    and how to move them on."""
+
+    after: float
+    clock: datetime
+    allowed: dict[str, timedelta]
+    buckets: Buckets
+    move_on: MoveOn
+
+
+class SendMissed(BaseException):  # noqa: N818 - what happened, as StopIteration says
+    """A held request came to its send too late to go out: a later start was judged on its
+    buckets meanwhile. Not an ``Exception``: a handler's own ``except Exception`` must not keep
+    the request going out."""
+
+
+# How much more than its lateness when the move is made a late request moves its buckets on:
+# the move's way back and the write after it (a request that goes out later than that is not sent).
+MOVE_PAD = timedelta(milliseconds=2)
 
 # Handlers that mark their send themselves (``mark_sent``): held there, not when invoked.
 _marks_sent: set[Callable[..., Any]] = set()
@@ -61,22 +98,15 @@ _marks_sent: set[Callable[..., Any]] = set()
 
 class Sent(NamedTuple):
     """A call's start-to-send delay: the request's (after any hold), the one before the hold, and
-    how much later than the latter the request went out."""
+    for a held request how much later than its release allowed it went out (a handler that marks
+    its send after it was released: ``overdue``)."""
 
     delay: timedelta
     natural: timedelta
-    beyond: timedelta
-
-    @classmethod
-    def of(cls, delay: timedelta, natural: timedelta) -> Sent:
-        return cls(delay, natural, max(delay - natural, timedelta(0)))
-
-    def late(self, hold: timedelta) -> timedelta:
-        """Return how much later than a hold, or than the delay before it, the request went out."""
-        return max(min(self.delay - hold, self.beyond), timedelta(0))
+    beyond: timedelta = timedelta(0)
 
     def most(self, other: Sent | None) -> Sent:
-        """Return the larger of each (for several calls: never less than any one's ``late``)."""
+        """Return the larger of each (for several calls measured as one)."""
         if other is None:
             return self
         return Sent(max(self.delay, other.delay), max(self.natural, other.natural), max(self.beyond, other.beyond))
@@ -105,53 +135,73 @@ def note_start(noted: Noted) -> None:
     here().noted = noted
 
 
-def overdue(noted: Noted | None, delay: timedelta) -> dict[str, tuple[list[timedelta], timedelta]]:
+def overdue(noted: Noted | None, sent: Sent) -> dict[str, tuple[list[timedelta], timedelta]]:
     """Return, per key with buckets, its bucket periods and how much later than its start's guard
     allowed for the request went out (a bucket's state is charged at the start, with the guard
-    known then: a later send must move it on by the difference)."""
+    known then: a later send must move it on by the difference). A held key's buckets were
+    settled when its request was released (``release``): only a send marked later than that
+    allowed counts (``Sent.beyond``)."""
     if noted is None:
         return {}
     allowed = noted.allowed
-    return {
-        key: (periods, delay - allowed.get(key, timedelta(0)))
-        for key, periods in noted.buckets.items()
-        if periods and delay > allowed.get(key, timedelta(0))
+    late = {
+        key: sent.beyond if key in noted.holds else sent.delay - allowed.get(key, timedelta(0))
+        for key, periods in noted.buckets.items() if periods
     }
+    return {key: (noted.buckets[key], by) for key, by in late.items() if by > timedelta(0)}
 
 
-def to_write(
-    clock_read: float | None, noted: Noted | None, sent: Sent
-) -> dict[tuple[str, timedelta], dict[str, timedelta]]:
-    """Return, per memory and delay to keep, the keys (with their memory spans) whose memory it
-    would change, judged on what the start read; a worker skips the write for the others (no
-    round trip in the steady state). A held key keeps the delay before its hold, and how much
-    later than its hold the request went out; any other key the delay after the hold."""
+def to_write(clock_read: float | None, noted: Noted | None, sent: Sent) -> dict[timedelta, dict[str, timedelta]]:
+    """Return, per delay to keep, the keys (with their memory spans) whose memory it would change,
+    judged on what the start read; a worker skips the write for the others (no round trip in the
+    steady state). A held key keeps the delay before its hold; any other key the delay after it."""
     if noted is None or clock_read is None:
         return {}
     now = noted.now + timedelta(seconds=max(time.monotonic() - clock_read, 0.0))
-    writes: dict[tuple[str, timedelta], dict[str, timedelta]] = {}
-
-    def keep(memory: str, kept: DelayMemory, key: str, span: timedelta, delay: timedelta) -> None:
-        if remember_delay(kept, now, span, delay) is not None:
-            writes.setdefault((memory, delay), {})[key] = span
-
+    writes: dict[timedelta, dict[str, timedelta]] = {}
     for key, span in noted.spans.items():
-        hold = noted.holds.get(key)
-        keep(SEND_DELAY, noted.kept.get(key, DelayMemory()), key, span, sent.delay if hold is None else sent.natural)
-        if hold is not None:
-            # Later than its hold, or than the request would have gone out without it (a larger
-            # delay before the hold raises the next hold, not the guard).
-            keep(HOLD_LATE, noted.late.get(key, DelayMemory()), key, span, sent.late(hold))
+        delay = sent.natural if key in noted.holds else sent.delay
+        if remember_delay(noted.kept.get(key, DelayMemory()), now, span, delay) is not None:
+            writes.setdefault(delay, {})[key] = span
     return writes
 
 
 def hold(run: Any) -> None:
     """Hold the running call's request until the moment its keys' buckets judged it at (the
     longest hold of its keys after its start's clock reading; at once if the start held none),
-    noting when it would have gone out without the hold."""
+    noting when it would have gone out without the hold; then ``release`` it."""
     run.natural = time.monotonic()
-    if run.hold_until is not None and run.hold_until > run.natural:
+    if run.hold_until is None:
+        return
+    if run.hold_until > run.natural:
         time.sleep(run.hold_until - run.natural)
+    moved = release(run.held)
+    # The latest a send may be marked and still be what its buckets were charged for.
+    run.held_latest = run.held.after + (min(run.held.allowed.values()) + moved).total_seconds()
+
+
+def release(held: Held) -> timedelta:
+    """Let a held request go out, moving its buckets on first if it is later than they allow
+    (return how far); raise ``SendMissed`` if it may not go: a later start was charged on them
+    meanwhile, the move failed, the request would go out later than the move allows for, or
+    past GUARD_MAX after its start (a bucket's refund replays no start later than that)."""
+    elapsed = timedelta(seconds=time.monotonic() - held.after)
+    late = [allowed for allowed in held.allowed.values() if elapsed > allowed]
+    if not late:
+        return timedelta(0)
+    if elapsed + MOVE_PAD > GUARD_MAX:
+        raise SendMissed(f"{elapsed.total_seconds() * 1000:.0f} ms after its start")
+    allowed = min(late)
+    keys = [key for key, allows in held.allowed.items() if elapsed > allows]
+    try:
+        by = held.move_on({key: held.buckets.get(key, []) for key in keys}, held.clock + allowed, MOVE_PAD)
+    except DatabaseError as exc:
+        raise SendMissed(f"its buckets could not be moved on: {exc!r}") from None
+    if by is None:
+        raise SendMissed(f"{(elapsed - allowed).total_seconds() * 1000:.1f} ms late, after a later start")
+    if timedelta(seconds=time.monotonic() - held.after) > allowed + by:
+        raise SendMissed(f"later than its buckets were moved on for ({by.total_seconds() * 1000:.1f} ms)")
+    return by + allowed - min(held.allowed.values())
 
 
 def mark_sent() -> None:
@@ -186,18 +236,28 @@ def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> No
         carry(*noted)
 
 
-def begin(keys: list[str] | None = None) -> tuple[float | None, Noted | None]:
+def begin(
+    keys: list[str] | None = None, buckets: Buckets | None = None, moved: timedelta = timedelta(0),
+    move_on: MoveOn | None = None,
+) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
-    (for its ``keys`` only, when given); set until when its request is held."""
+    (for its ``keys`` only, when given); set until when its request is held, and what its
+    ``release`` needs: the states its start left its ``buckets`` in, how far a late request had
+    moved them on since its start read them (``moved``: its request goes out that much later),
+    and ``move_on``."""
     run = here()
-    run.sent = run.invoked = run.natural = run.hold_until = None
+    run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = None
     # A group's start noted all its calls' keys: this call's only.
     noted = run.noted if keys is None or run.noted is None else run.noted.of(keys)
-    if noted is not None and noted.holds:
+    if noted is not None and noted.holds and move_on is not None:
         # From just after the start's clock was read: on the database's time the request then
         # leaves no sooner than the start's clock plus the hold, the moment its buckets judged.
-        after = run.clock_after if run.clock_after is not None else time.monotonic()
+        after = (run.clock_after if run.clock_after is not None else time.monotonic()) + moved.total_seconds()
         run.hold_until = after + max(noted.holds.values()).total_seconds()
+        run.held = Held(
+            after, noted.now + moved, {key: noted.allowed[key] for key in noted.holds},
+            {key: (buckets or {}).get(key, []) for key in noted.holds}, move_on,
+        )
     return run.clock_read, noted
 
 
@@ -215,7 +275,11 @@ def sent_after(clock_read: float | None) -> Sent | None:
     run = here()
     sent = run.sent if run.sent is not None else run.invoked
     natural = run.natural if run.natural is not None else sent
+    latest, run.held_latest = run.held_latest, None
     run.sent = run.invoked = run.natural = None
     if clock_read is None or sent is None or natural is None:
         return None
-    return Sent.of(timedelta(seconds=max(sent - clock_read, 0.0)), timedelta(seconds=max(natural - clock_read, 0.0)))
+    beyond = timedelta(seconds=max(sent - latest, 0.0)) if latest is not None else timedelta(0)
+    return Sent(
+        timedelta(seconds=max(sent - clock_read, 0.0)), timedelta(seconds=max(natural - clock_read, 0.0)), beyond
+    )

@@ -36,9 +36,10 @@ PER_PAGE = 50
 MINUTES = 60
 DEFAULT_REFRESH = 30
 # How attempt outcomes are drawn: a bar's segments from the bottom, and their legend.
-SEGMENTS = (("done", "done"), ("error", "error"), ("429", "429 deferred"), ("running", "running"))
+SEGMENTS = (("done", "done"), ("error", "error"), ("429", "429 deferred"), ("missed", "missed its send moment"),
+            ("running", "running"))
 OUTCOME_SEGMENT = {"done": "done", "error": "error", "failed": "error", "lost": "error",
-                   "rate_limited": "429", "running": "running"}
+                   "rate_limited": "429", "missed": "missed", "running": "running"}
 
 CHART_WIDTH, CHART_HEIGHT, CHART_PAD = 600, 160, 30
 
@@ -377,7 +378,7 @@ ACTIVITY_WIDTH, ACTIVITY_HEIGHT = 240, 48
 
 
 def activity_chart(minutes: list[tuple[datetime, dict[str, int]]]) -> dict[str, Any]:
-    """Attempts finished per minute over the last hour as stacked SVG bars (done, error, 429), written here."""
+    """Attempts finished per minute over the last hour as stacked SVG bars (done, error, 429, missed), written here."""
     peak = max([sum(counts.values()) for _, counts in minutes] + [1])
     slot = ACTIVITY_WIDTH / len(minutes)
     rects = []

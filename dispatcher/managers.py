@@ -145,6 +145,10 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         """Record a 429: pause the key, put the call back to wait, refund the attempt."""
         return finish.finish_rate_limited(self, call, attempt, retry_after, key, error)
 
+    def finish_missed(self, call: CallQueue, attempt: Attempt, error: str) -> bool:
+        """Record a held request that was not sent: the call waits again, the attempt refunded."""
+        return finish.finish_missed(self, call, attempt, error)
+
     def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
         """Correct the keys' usage to what a started call really cost; return the change per key."""
         return finish.correct_cost(self, call, reported)

@@ -31,8 +31,11 @@ from dispatcher.store import limit_sql, schema
 MINUTES = 60
 ERROR_OUTCOMES = (AttemptOutcome.ERROR, AttemptOutcome.FAILED, AttemptOutcome.LOST)
 # What each outcome counts as on the overview's chart.
-OUTCOME_KIND = {AttemptOutcome.DONE: "done", AttemptOutcome.RATE_LIMITED: "429", **{o: "error" for o in ERROR_OUTCOMES}}
-KINDS = (("done", "done"), ("error", "error"), ("429", "429"))
+OUTCOME_KIND = {
+    AttemptOutcome.DONE: "done", AttemptOutcome.RATE_LIMITED: "429", AttemptOutcome.MISSED: "missed",
+    **{o: "error" for o in ERROR_OUTCOMES},
+}
+KINDS = (("done", "done"), ("error", "error"), ("429", "429"), ("missed", "missed its send moment"))
 # A key set of a shared key is called starved when its oldest call has waited at least this long
 # and at least STARVED_RATIO times as long as the next longest waiting key set of the key.
 STARVED_AFTER = timedelta(minutes=5)
@@ -115,7 +118,7 @@ def read(now: datetime) -> Overview:
 
 
 def outcomes_per_minute(now: datetime) -> list[tuple[datetime, dict[str, int]]]:
-    """Return, for each of the last 60 minutes, the attempts finished by kind (done, error, 429)."""
+    """Return, for each of the last 60 minutes, the attempts finished by kind (done, error, 429, missed)."""
     end = now.replace(second=0, microsecond=0)
     start = end - timedelta(minutes=MINUTES - 1)
     found: dict[datetime, dict[str, int]] = {}

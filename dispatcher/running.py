@@ -34,10 +34,13 @@ class Run:
     # and what the start noted of each key's arrival guard (``dispatcher.arrivals``).
     clock_read: float | None = None
     noted: Any = None
-    # Its monotonic time just after that reading, and until when the call's request is held
-    # (send-time pacing: ``arrivals.hold``).
+    # Its monotonic time just after that reading, until when the call's request is held, and
+    # what its release checks (send-time pacing: ``arrivals.hold``, ``arrivals.Held``).
     clock_after: float | None = None
     hold_until: float | None = None
+    held: Any = None
+    # Once released: the latest its send may be marked and be what its buckets were charged for.
+    held_latest: float | None = None
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None

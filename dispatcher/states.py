@@ -39,6 +39,9 @@ class AttemptOutcome(models.TextChoices):
     """The handler raised a permanent error; the call failed."""
     RATE_LIMITED = "rate_limited", "Rate limited (429)"
     """A 429: the call waits again and the attempt is refunded."""
+    MISSED = "missed", "Missed its send moment"
+    """Its request was held for a moment its worker came too late for, after a later start was
+    judged on its keys: it was not sent; the call waits again and the attempt is refunded."""
     LOST = "lost", "Lost (rescued)"
     """No outcome within DISPATCHER_RUN_TIMEOUT: the rescue sweep ended it."""
 

@@ -113,11 +113,6 @@ class KeyState(models.Model):
     send_delay_us = models.BigIntegerField(default=0, db_default=0, help_text="Largest start-to-send delay measured lately (µs).")
     send_delay_prev_us = models.BigIntegerField(default=0, db_default=0, help_text="The same, in the span before.")
     send_delay_since = models.DateTimeField(null=True, blank=True)
-    # A key whose requests are held (send-time pacing): how much later than its hold its
-    # requests went out lately, kept the same way (the spread its guard absorbs).
-    hold_late_us = models.BigIntegerField(default=0, db_default=0, help_text="Largest lateness after a hold measured lately (µs).")
-    hold_late_prev_us = models.BigIntegerField(default=0, db_default=0, help_text="The same, in the span before.")
-    hold_late_since = models.DateTimeField(null=True, blank=True)
     # Set by ``ratelimit weight``: the share of a shared key that key sets carrying this key get.
     weight = models.PositiveIntegerField(
         null=True, blank=True, help_text="Share of a shared key's room its key sets get against others (empty: 1)."

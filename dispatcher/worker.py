@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
@@ -116,7 +116,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin(call.keys)
+    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -146,7 +146,7 @@ def _keep_delay(call_id: int, clock_read: float | None, noted: Any, sent: arriva
     """Keep a start-to-send delay measured on this thread or a message's handler thread."""
     if sent is None:
         return
-    overdue = arrivals.overdue(noted, sent.delay)
+    overdue = arrivals.overdue(noted, sent)
     writes = arrivals.to_write(clock_read, noted, sent)
     if not writes and not overdue:
         return
@@ -154,9 +154,9 @@ def _keep_delay(call_id: int, clock_read: float | None, noted: Any, sent: arriva
         if overdue:
             ledger.push_buckets(overdue)
             log.info("send_late call=%s buckets=%s", call_id, {k: str(late) for k, (_, late) in overdue.items()})
-        for (memory, delay), spans in writes.items():
-            if ledger.remember_send_delay(spans, delay, memory=memory):
-                log.info("%s call=%s delay_ms=%.1f", memory, call_id, delay.total_seconds() * 1000)
+        for delay, spans in writes.items():
+            if ledger.remember_send_delay(spans, delay):
+                log.info("send_delay call=%s delay_ms=%.1f", call_id, delay.total_seconds() * 1000)
     except (OperationalError, InterfaceError) as exc:
         log.warning("send_delay_not_kept call=%s error=%r", call_id, exc)
         connections[CallQueue.objects.db].close()
@@ -171,7 +171,7 @@ def _run(call: Any, attempt: Any, capped: bool) -> str:
 class Outcome:
     """What a handler did: "done" with its result, or the exception it raised and its traceback."""
 
-    kind: AttemptOutcome  # DONE, RATE_LIMITED, FAILED or ERROR
+    kind: AttemptOutcome  # DONE, RATE_LIMITED, MISSED, FAILED or ERROR
     result: Any = None
     error: BaseException | None = None
     traceback: str = ""
@@ -208,6 +208,16 @@ def _checked() -> Iterator[None]:
         _set_checked(True)
 
 
+def _move_on(moved: arrivals.Buckets, deadline: datetime, pad: timedelta) -> timedelta | None:
+    """Move a late held request's buckets on (``ledger.move_on``) from inside its handler, as our
+    own statement: without the health check a handler's first query gets (``_checked``)."""
+    _set_checked(True)
+    try:
+        return ledger.move_on(moved, deadline, pad, using=CallQueue.objects.db)
+    finally:
+        _set_checked(False)
+
+
 def _call_handler(call: Any) -> Outcome:
     """Run a started call's handler; return what it did (never raises an Exception)."""
     try:
@@ -217,6 +227,8 @@ def _call_handler(call: Any) -> Outcome:
             result = fn(**call.params)
     except RateLimited as exc:
         return Outcome(AttemptOutcome.RATE_LIMITED, error=exc)
+    except arrivals.SendMissed as exc:
+        return Outcome(AttemptOutcome.MISSED, error=exc)
     except (PermanentError, UnknownMethod) as exc:
         return Outcome(AttemptOutcome.FAILED, error=exc, traceback=traceback.format_exc())
     except Exception as exc:
@@ -235,6 +247,10 @@ def _class_path(exc: BaseException | None) -> str:
 def _record_outcome(call: Any, attempt: Any, capped: bool, outcome: Outcome) -> str:
     """Record what a started call's handler did; return the run's state."""
     exc = outcome.error
+    if outcome.kind == AttemptOutcome.MISSED:
+        _record(CallQueue.objects.finish_missed, call, attempt, f"SendMissed: {exc}")
+        log.info("run_missed call=%s reason=%s", call.id, exc)
+        return str(AttemptOutcome.MISSED)
     if outcome.kind == AttemptOutcome.RATE_LIMITED:
         assert isinstance(exc, RateLimited)
         # A handler's retry_after may be anything (1e20, NaN): bounded, so the record cannot overflow.
@@ -267,8 +283,11 @@ class Run:
     call: CallQueue
     attempt: Attempt
     capped: bool
-    # What its start noted for the send-delay measurement (``arrivals.snapshot``).
+    # What its start noted for the send-delay measurement (``arrivals.snapshot``), and what it
+    # left the call's buckets (``Started.buckets``, ``Started.moved``).
     noted: Any = None
+    buckets: dict[str, list[tuple[timedelta, int]]] | None = None
+    moved: timedelta = timedelta(0)
 
 
 # Most handlers of one message that run at once; the next starts as one returns.
@@ -303,7 +322,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
             if one.state == StartState.STARTED:
                 assert one.call is not None and one.attempt is not None
-                runs.append(Run(one.call, one.attempt, one.capped, noted))
+                runs.append(Run(one.call, one.attempt, one.capped, noted, one.buckets, one.moved))
                 log.debug("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
             elif one.state == StartState.EARLY:
                 early.append(((call_id, dispatch_no), one.wait))
@@ -427,7 +446,7 @@ def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
         clock_read, noted, sent = measured
         if sent is None:
             continue
-        if arrivals.overdue(noted, sent.delay):
+        if arrivals.overdue(noted, sent):
             _keep_delay(run.call.id, *measured)
             continue
         keys = (id(run.noted), tuple(run.call.keys))  # the same start's reading, the same keys
@@ -444,7 +463,7 @@ def _call_handler_in_pool(run: Run) -> Ran:
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin(run.call.keys)
+    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on)
     try:
         outcome = _call_handler(run.call)
         return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))

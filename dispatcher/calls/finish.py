@@ -188,6 +188,17 @@ def finish_rate_limited(
     return True
 
 
+def finish_missed(manager: CallQueueManager, call: CallQueue, attempt: Attempt, error: str) -> bool:
+    """Record a held request that was not sent (``arrivals.SendMissed``): the call waits again at
+    once, its attempt refunded, counted as a deferral; no key is paused (its start's room is spent)."""
+    # The guarded update (still running, same dispatch) makes the started row's counts current.
+    return _finish(
+        manager, call, attempt, Outcome.MISSED, error,
+        status=Status.PENDING, run_at=lambda now: now, dispatched_at=None,
+        attempts=call.attempts - 1, deferrals=call.deferrals + 1, last_error=error[:MAX_ERROR_CHARS],
+    )
+
+
 def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
     """Correct the keys' usage to what a started call really cost; return the change per key.
 

@@ -5,7 +5,7 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +14,7 @@ from django.db.models import F
 
 from dispatcher import arrivals, tables
 from dispatcher.calls.rows import attempts, call_from_row, json_value
-from dispatcher.clock import db_now
+from dispatcher.clock import db_now, to_us
 from dispatcher.keys import parse_key_set
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
@@ -59,6 +59,11 @@ class Started:
     capped: bool = False
     # For an early delivery: how long until its keys have room.
     wait: timedelta = timedelta(0)
+    # For a started call: per key, its buckets (period, the state its start left them in µs): a
+    # late held request moves them on only while they stand (``arrivals.release``); and how far
+    # a late request of before had moved them on since the start read them (its hold is longer).
+    buckets: dict[str, list[tuple[timedelta, int]]] = field(default_factory=dict)
+    moved: timedelta = timedelta(0)
 
 
 class _GroupRaced(Exception):
@@ -202,15 +207,24 @@ def _start_group(
             if len(started) < len(admitted):
                 raise _GroupRaced  # rolls back the whole group
             for one, _, capped in admitted:
-                call, attempt = started[one.call_id]
-                results[one.index] = Started(StartState.STARTED, call=call, attempt=attempt, capped=capped)
+                call, attempt, buckets, moved = started[one.call_id]
+                results[one.index] = Started(
+                    StartState.STARTED, call=call, attempt=attempt, capped=capped,
+                    buckets={key: found for key in one.keys if (found := buckets.get(key))},
+                    moved=max((moved.get(key, timedelta(0)) for key in one.keys), default=timedelta(0)),
+                )
     return results
+
+
+# Per started call: the call, its attempt, per key its buckets' states (period, µs) and how far a
+# late request had moved each key's buckets on since the start read them.
+Marked = tuple["CallQueue", "Attempt", dict[str, list[tuple[timedelta, int]]], dict[str, timedelta]]
 
 
 def _mark_running(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
     group: gate.Group, folded: Folded | None,
-) -> dict[int, tuple[CallQueue, Attempt]]:
+) -> dict[int, Marked]:
     """Mark the admitted calls running (at ``now``, or on PostgreSQL at the statement's own clock,
     never earlier), open their attempts, write their start logs,
     the buckets' last states and each key's counters; fewer calls returned than admitted: one
@@ -223,17 +237,15 @@ def _mark_running(
 def _mark_running_postgresql(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
     group: gate.Group, folded: Folded | None,
-) -> dict[int, tuple[CallQueue, Attempt]]:
+) -> dict[int, Marked]:
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
     log = [(key, units, cum, one.call_id) for one, record, _ in admitted for key, units, cum in record.log]
     buckets: dict[tuple[str, timedelta], int] = {}
     charged: dict[tuple[str, timedelta], int] = {}
-    holds: dict[tuple[str, timedelta], int] = {}
     for _, record, _ in admitted:
-        for (key, period, tat), beyond, hold in zip(record.buckets, record.charged, record.holds, strict=True):
+        for (key, period, tat), beyond in zip(record.buckets, record.charged, strict=True):
             buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
             charged[(key, period)] = charged.get((key, period), 0) + beyond
-            holds[(key, period)] = max(holds.get((key, period), 0), hold)
     moved: dict[str, list[int]] = {}
     for key, units, _, _ in log:
         calls_units = moved.setdefault(key, [0, 0])
@@ -247,9 +259,8 @@ def _mark_running_postgresql(
         "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
         "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
         "b_tats": list(buckets.values()),
-        # What the group charged each bucket beyond max(tat, now + hold), from the send moment
-        # (the statement's clock plus the hold): its state carried to the statement's clock.
-        "b_charged": [holds[bucket] + charged[bucket] for bucket in buckets],
+        "b_charged": [charged[bucket] for bucket in buckets],
+        "b_read": [group.read_tats.get(bucket) for bucket in buckets],
         "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
         "c_totals": [group.states[key].total for key in moved],
     }
@@ -257,21 +268,35 @@ def _mark_running_postgresql(
     with connections[manager.db].cursor() as cursor:
         cursor.execute(folded.commit(statement) if folded else statement, params)
         rows = cursor.fetchall()
-    started: dict[int, tuple[CallQueue, Attempt]] = {}
+    started: dict[int, Marked] = {}
     for row in rows:
-        call = call_from_row(manager.model, manager.db, row[2:])
+        call = call_from_row(manager.model, manager.db, row[3:])
         attempt = tables.Attempt(id=row[0], call=call, number=row[1], started_at=call.started_at or now, worker=worker)
         attempt._state.adding, attempt._state.db = False, manager.db
-        started[call.id] = (call, attempt)
+        # What each bucket holds now: as the statement returned it where it existed, else the
+        # state judged, carried to the start's clock (call_sql._start_writes).
+        at = to_us(call.started_at or now)
+        written = {bucket: max(tat, at + charged[bucket]) for bucket, tat in buckets.items()}
+        moves: dict[str, timedelta] = {}
+        for place, tat, move in row[2] or ():
+            bucket = list(buckets)[place - 1]
+            written[bucket] = tat
+            moves[bucket[0]] = max(moves.get(bucket[0], timedelta(0)), timedelta(microseconds=move))
+        states: dict[str, list[tuple[timedelta, int]]] = {}
+        for (key, period), tat in written.items():
+            states.setdefault(key, []).append((period, tat))
+        started[call.id] = (call, attempt, states, moves)
     return started
 
 
 def _mark_running_portable(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
-) -> dict[int, tuple[CallQueue, Attempt]]:
+) -> dict[int, Marked]:
     """The same through the ORM, call by call (in the group's transaction): the guarded update,
-    the call read back, its attempt, the start log and buckets, the counters."""
-    started: dict[int, tuple[CallQueue, Attempt]] = {}
+    the call read back, its attempt, the start log and buckets, the counters. No late request
+    moves a bucket meanwhile: the transaction holds SQLite's write lock from its start."""
+    started: dict[int, Marked] = {}
+    states: dict[str, list[tuple[timedelta, int]]] = {}
     for one, record, _ in admitted:
         won = manager.filter(id=one.call_id, status=Status.DISPATCHED, dispatch_no=one.dispatch_no).update(
             status=Status.RUNNING, started_at=now, attempts=F("attempts") + 1
@@ -287,5 +312,8 @@ def _mark_running_portable(
             one.keys, reserved=-1, units={key: units for key, units, _ in record.log},
             totals={key: cum for key, _, cum in record.log}, using=manager.db,
         )
-        started[one.call_id] = (call, attempt)
-    return started
+        for key, period, tat in record.buckets:
+            states[key] = [*(b for b in states.get(key, []) if b[0] != period), (period, tat)]
+        started[one.call_id] = (call, attempt, states, {})
+    # Every call of the group sees its buckets as the group left them.
+    return {call_id: (call, attempt, dict(states), moves) for call_id, (call, attempt, _, moves) in started.items()}

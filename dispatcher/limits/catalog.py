@@ -18,10 +18,10 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.keys import is_pattern, pattern_matches
 from dispatcher.limits.guard import (
     GUARD_MAX,
-    HOLD_LATE,
+    SEND_SLACK,
     arrival_guard,
     delay_memory,
-    held_guard,
+    held_hold,
     memory,
     remembered,
 )
@@ -59,8 +59,9 @@ class Policies:
     # Per key, the arrival guard learnt from its measured start-to-send delays (``apply_guards``),
     # the delay it was learnt from, how long the key's delays are remembered, and the key's
     # policies with the guard applied. A start's own: ``fresh`` gives each start a copy.
-    # A key whose policies are all buckets has its requests held (``holds``): its ``learnt_delays``
-    # is then what its guard allows a request after its start: the hold and the spread it absorbs.
+    # A key whose policies are all buckets has its requests held (``holds``): its guard is then
+    # the configured one (the network's), and its ``learnt_delays`` what its buckets allow a
+    # request after its start: the hold and the lateness they absorb (``TokenBucket.lateness``).
     guards: dict[str, timedelta] = field(default_factory=dict)
     learnt_delays: dict[str, timedelta] = field(default_factory=dict)
     holds: dict[str, timedelta] = field(default_factory=dict)
@@ -159,7 +160,7 @@ class Policies:
         hold = self.holds.get(key)
         guarded: list[PolicyShape]
         if hold is not None:
-            guarded = [p.with_hold(guard, hold) for p in governing if isinstance(p, TokenBucket)]
+            guarded = [p.with_hold(guard, hold, SEND_SLACK) for p in governing if isinstance(p, TokenBucket)]
         else:
             guarded = [p if p.guard == guard else p.with_learnt_guard(guard) for p in governing]
         self._guarded[key] = guarded
@@ -193,11 +194,12 @@ class Policies:
                 continue
             span = spans[key] = self.spans[key] = memory(governing, max(floor, cap))
             learnt = remembered(delay_memory(states.get(key)), now, span)
-            if all(isinstance(p, TokenBucket) for p in governing):
+            hold = held_hold(floor, cap, learnt)
+            if hold > timedelta(0) and all(isinstance(p, TokenBucket) for p in governing):
                 # Its requests are held to their start plus the delay measured (send-time pacing).
-                late = remembered(delay_memory(states.get(key), HOLD_LATE), now, span)
-                self.guards[key], self.holds[key] = held_guard(floor, cap, learnt, late)
-                self.learnt_delays[key] = self.holds[key] + self.guards[key] - floor
+                self.guards[key], self.holds[key] = floor, hold
+                lateness = min(p.lateness for p in self.for_key(key) if isinstance(p, TokenBucket))
+                self.learnt_delays[key] = hold + lateness
                 self._unheld[key] = arrival_guard(floor, cap, learnt), learnt
                 continue
             self.learnt_delays[key] = learnt

@@ -14,7 +14,7 @@ from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
 from dispatcher.limits.catalog import Policies, kept_policies, policies_statement, remember_policies
-from dispatcher.limits.guard import HOLD_LATE, delay_memory
+from dispatcher.limits.guard import delay_memory
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
@@ -344,7 +344,7 @@ def assess(
         arrivals.note_start(arrivals.Noted(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            dict(policies.holds), {k: delay_memory(states.get(k), HOLD_LATE) for k in policies.holds},
+            dict(policies.holds),
         ))
     costs = costs or {}
     verdicts = {
@@ -383,11 +383,12 @@ class StartRecord:
 
     log: list[tuple[str, int, int]] = field(default_factory=list)
     buckets: list[tuple[str, timedelta, int]] = field(default_factory=list)
-    # Per bucket, the microseconds the start charged beyond max(tat, now + hold), and its hold: a
-    # start recorded at a later clock carries the same charge from there plus the hold
-    # (call_sql.mark_running_group).
+    # Per bucket, the microseconds the start charged beyond max(tat, now + hold): a start recorded
+    # at a later clock carries the same charge from there (call_sql.mark_running_group). Not from
+    # there plus the hold: the worker holds the request from the clock it was judged on, so a
+    # later mark sends it no later than the mark (what the carry bounds), and a request that goes
+    # out later than its moment allows is settled before it goes (``arrivals.release``).
     charged: list[int] = field(default_factory=list)
-    holds: list[int] = field(default_factory=list)
 
 
 def start_record(
@@ -411,7 +412,6 @@ def start_record(
                 held = getattr(policy, "hold", timedelta(0))
                 base = max(reading.tat, now + held) if reading.tat is not None else now + held
                 record.charged.append(to_us(tat) - to_us(base))
-                record.holds.append(to_us(now + held) - to_us(now))
     return record
 
 
@@ -430,6 +430,13 @@ class Group:
         # What storage said of each window: its units and where they start (the group's own
         # starts come after them, all at ``now``).
         self.stored = {key: [(r.used, r.leaves_at) for r in found] for key, found in self.readings.items()}
+        # What storage said of each bucket (µs, None: none stored): a late request may move it on
+        # before the group's start writes it (``call_sql._start_writes`` carries the move).
+        self.read_tats = {
+            (key, policy.period): None if reading.tat is None else to_us(reading.tat)
+            for key, found in self.readings.items()
+            for policy, reading in zip(policies.for_key(key), found, strict=False) if isinstance(policy, TokenBucket)
+        }
 
     def check(self, keys: Sequence[str], costs: Mapping[str, int]) -> Verdict:
         return combine([

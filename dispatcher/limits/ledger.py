@@ -4,18 +4,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
 
 from dispatcher import tables
-from dispatcher.clock import db_now
+from dispatcher.clock import db_now, to_us
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits.guard import GUARD_MAX, SEND_DELAY, delay_memory, remember_delay
+from dispatcher.limits.guard import GUARD_MAX, delay_memory, remember_delay
 from dispatcher.limits.locks import alias, lock_keys
 from dispatcher.store import limit_sql, schema
+from dispatcher.store.folded import can_fold
 
 if TYPE_CHECKING:
     from dispatcher.limits.gate import StartRecord
@@ -113,11 +114,8 @@ def unanswered(keys: Sequence[str], using: str | None = None) -> set[str]:
     return set(states.filter(key__in=list(keys), answered_at__isnull=True).values_list("key", flat=True))
 
 
-def remember_send_delay(
-    spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None, memory: str = SEND_DELAY
-) -> int:
-    """Keep a start-to-send delay measured on these keys (each with its memory span), or with
-    ``memory`` HOLD_LATE a lateness after a hold; return rows written.
+def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> int:
+    """Keep a start-to-send delay measured on these keys (each with its memory span); return rows written.
 
     On PostgreSQL one statement (``limit_sql.remember_send_delay``) that writes only rows whose memory
     changes (a new largest delay, or a span gone by: at most a few per key and second); a worker
@@ -136,9 +134,7 @@ def remember_send_delay(
             if several:
                 lock_keys(list(spans), using=db)
             with connections[db].cursor() as cursor:
-                cursor.execute(
-                    limit_sql.remember_send_delay(memory), {"keys": list(spans), "spans": list(spans.values()), "us": us}
-                )
+                cursor.execute(limit_sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
                 written: int = cursor.rowcount
                 return written
     written = 0
@@ -146,13 +142,13 @@ def remember_send_delay(
     with transaction.atomic(using=db):
         now = db_now(db)
         for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
-            kept = remember_delay(delay_memory(state, memory), now, spans[state.key], delay)
+            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
             if kept is not None:
-                written += states.filter(key=state.key).update(**{
-                    f"{memory}_us": kept.current // timedelta(microseconds=1),
-                    f"{memory}_prev_us": kept.previous // timedelta(microseconds=1),
-                    f"{memory}_since": kept.since,
-                })
+                written += states.filter(key=state.key).update(
+                    send_delay_us=kept.current // timedelta(microseconds=1),
+                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
+                    send_delay_since=kept.since,
+                )
     return written
 
 
@@ -171,6 +167,61 @@ def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], u
             tables.KeyBucket.objects.using(db).filter(key=key, period__in=list(periods)).update(
                 tat_us=models.F("tat_us") + late // timedelta(microseconds=1)
             )
+
+
+def move_on(
+    moved: Mapping[str, Sequence[tuple[timedelta, int]]], deadline: datetime, pad: timedelta, using: str | None = None
+) -> timedelta | None:
+    """Move the buckets of held keys (per key: each bucket's period and the state its start left
+    it in, µs) on, for a request that goes out later than they allowed (its ``deadline``, on the
+    database's clock): by its lateness when the move is made, plus ``pad`` for the rest of its
+    way out. Return how far they moved, or None if they did not.
+
+    Only while each bucket still holds that state: a later start charged on it was judged on it
+    as it was, and its request may already be on its way. A start judged before the move and
+    written after it carries the move and holds its request that much longer
+    (``call_sql._start_writes``). All or none. On PostgreSQL one statement that locks the bucket
+    rows alone (a start waiting for its slot holds its keys' locks), its commit not waiting for
+    the disk: the request waits for it (a durable commit took 4-7 ms on a loaded machine). Other
+    transactions see it at once; a database crash right after may forget it, with the request
+    it was for.
+    """
+    rows = [(key, period, tat) for key in sorted(moved) for period, tat in sorted(moved[key])]
+    if not rows:
+        return timedelta(0)
+    db = alias(using)
+    deadline_us, pad_us = to_us(deadline), pad // timedelta(microseconds=1)
+    if schema.postgresql_path(db):
+        connection = connections[db]
+        if connection.in_atomic_block:
+            return None  # a handler's own transaction: the move would be seen only once it commits
+        if len(rows) == 1:
+            (key, period, tat), = rows
+            statement = limit_sql.move_on_one()
+            params: dict[str, Any] = {"key": key, "period": period, "tat": tat}
+        else:
+            statement = limit_sql.move_on()
+            params = {"keys": [r[0] for r in rows], "periods": [r[1] for r in rows], "tats": [r[2] for r in rows]}
+        params.update(deadline=deadline_us, pad=pad_us)
+        with connection.cursor() as cursor:
+            if can_fold(db):
+                cursor.execute(f"BEGIN; SET LOCAL synchronous_commit = off; {statement}; COMMIT", params)
+                cursor.nextset()
+                cursor.nextset()
+            else:
+                cursor.execute(statement, params)
+            found = cursor.fetchone()
+        return None if found is None or found[0] is None else timedelta(microseconds=found[0])
+    buckets = tables.KeyBucket.objects.using(db)
+    # SQLite's write lock, taken as the transaction begins (IMMEDIATE), keeps starts out meanwhile.
+    with transaction.atomic(using=db):
+        for key, period, tat in rows:
+            if not buckets.filter(key=key, period=period, tat_us=tat).exists():
+                return None
+        by = max(to_us(db_now(db)) - deadline_us, 0) + pad_us
+        for key, period, _ in rows:
+            buckets.filter(key=key, period=period).update(tat_us=models.F("tat_us") + by)
+    return timedelta(microseconds=by)
 
 
 def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:

@@ -195,8 +195,11 @@ class TokenBucket(Policy):
     burst: int = 1
     # Send-time pacing: how long after its start a request is held before it goes out (the
     # worker holds it, ``dispatcher.arrivals``). The bucket judges and charges a start at
-    # ``now + hold``, the moment its request leaves, so the guard covers only what follows.
+    # ``now + hold``, the moment its request leaves, so the guard covers only what follows:
+    # the network's spread (``net``, the configured guard) and how late after its moment the
+    # request may go out (``lateness``).
     hold: timedelta = field(default=timedelta(0), compare=False)
+    net: timedelta = field(default=timedelta(0), compare=False)
 
     # The guard: arrivals a_i = s_i + d_i with 0 <= d_i <= g. Starts conforming to (B - k,
     # T + e) put n > B arrivals at least (n - B + k)(T + e) - g apart, which is at least
@@ -222,6 +225,14 @@ class TokenBucket(Policy):
     # full again (when nothing else started meanwhile: ``frees_at`` says when).
 
     GUARD_RATE_SHARE: ClassVar[Fraction] = Fraction(1, 20)
+    # A held bucket whose guard no token can hold back (a smooth rate) gives it at most this share
+    # of its rate, the network's part cut to fit (docs/policies.md, send-time pacing): 3%, so
+    # that what a smooth rate loses besides (late requests moving it on) stays under 5%...
+    HELD_RATE_SHARE: ClassVar[Fraction] = Fraction(3, 100)
+    # ...but never less than this for the network: an API on a busy host stamps a request a few
+    # milliseconds late at times (nginx behind a loaded 2-core machine: up to 4-6 ms, 429s with
+    # requests paced exactly 51.5 ms apart for 20 per second; docs/performance.md).
+    HELD_NET_FLOOR: ClassVar[timedelta] = timedelta(milliseconds=5)
 
     @property
     def reserve(self) -> int:
@@ -261,9 +272,30 @@ class TokenBucket(Policy):
     def capacity(self) -> int:
         return self.depth
 
-    def with_hold(self, guard: timedelta, hold: timedelta) -> TokenBucket:
-        """Return the policy for starts whose requests are held ``hold`` after them, under ``guard``."""
-        return type(self)(**{**self.__dict__, "guard": guard, "hold": hold})
+    def with_hold(self, net: timedelta, hold: timedelta, slack: timedelta) -> TokenBucket:
+        """Return the policy for starts whose requests are held ``hold`` after them: its guard
+        covers the network (``net``) and the ``slack`` a request may go out after its moment.
+
+        A guard the burst holds back in whole tokens costs no rate: it then covers all that those
+        tokens absorb (``k`` intervals), so a late request has all of it. A guard that slows the
+        rate (a smooth rate: no token to hold back) costs at most HELD_RATE_SHARE of it: the
+        network's part is cut to fit (never below HELD_NET_FLOOR), the slack kept.
+        """
+        held = type(self)(**{**self.__dict__, "guard": net + slack, "hold": hold, "net": net})
+        if held._extra(held.reserve) <= 0 < held.reserve:
+            free = _floor_td(held.reserve * self._interval_exact)
+            return type(self)(**{**held.__dict__, "guard": max(free, net + slack)})
+        budget = _floor_td(self.HELD_RATE_SHARE * self._interval_exact)
+        if held._extra(held.reserve) > Fraction(_us(budget)) and net + slack > budget:
+            net = min(net, max(budget - slack, self.HELD_NET_FLOOR))
+            held = type(self)(**{**held.__dict__, "guard": net + slack, "net": net})
+        return held
+
+    @property
+    def lateness(self) -> timedelta:
+        """How late after its send moment a held request may go out: what the guard covers beyond
+        the network's part (at least the slack; for a bucket that holds tokens back, what they absorb)."""
+        return max(self.guard - self.net, timedelta(0))
 
     def tokens(self, reading: Reading, now: datetime) -> Fraction:
         """Return the tokens in the bucket at ``now`` (negative while it owes units)."""

@@ -238,7 +238,10 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
     ``only_if`` a FROM item and condition that must hold for the log and the buckets to be written.
     Everything is written at ``clock.now`` (a CTE of the statement), and a bucket's state is its
     judged one carried to that clock: max(judged, clock + what the start charged beyond
-    max(tat, judged clock)), TokenBucket.charge's max.
+    max(tat, judged clock)), TokenBucket.charge's max. A bucket a late request moved on since the
+    start read it (%(b_read)s: its state then; ``ledger.move_on``) carries the move on top, and
+    ``moved_buckets`` returns it (the bucket's place in %(b_keys)s, its state, the move), so the
+    start holds its request that much longer.
     """
     c = functools.partial(column, "CallQueue")
     attempt_columns, attempt_values = insert_clause("Attempt", {
@@ -248,10 +251,15 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
     log_columns, log_values = insert_clause("StartLog", {
         "key": "log.key", "started_at": "clock.now", "units": "log.units", "cum": "log.cum", "call_id": call_id,
     })
+    judged = f"GREATEST(b.tat_us, {epoch_us('clock.now')} + b.charged_us)"
     bucket_columns, bucket_values = insert_clause("KeyBucket", {
-        "key": "b.key", "period": "b.period",
-        "tat_us": f"GREATEST(b.tat_us, {epoch_us('clock.now')} + b.charged_us)", "since": "clock.now",
+        "key": "b.key", "period": "b.period", "tat_us": judged, "since": "clock.now",
     })
+    tat, key, period = column("KeyBucket", "tat_us"), column("KeyBucket", "key"), column("KeyBucket", "period")
+    buckets = (
+        "unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[], %(b_charged)s::bigint[],"
+        " %(b_read)s::bigint[]) WITH ORDINALITY AS b(key, period, tat_us, charged_us, read_us, n)"
+    )
     gate, condition = only_if
     return f"""
         attempt AS (
@@ -262,15 +270,15 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
         ), start_log AS (
             INSERT INTO {table('StartLog')} ({log_columns})
             SELECT {log_values} FROM {gate}, clock, {_START_LOG} WHERE {condition}
-        ), buckets AS (
+        ), moved_buckets AS (
+            UPDATE {table('KeyBucket')} AS kb SET {tat} = {judged} + GREATEST(kb.{tat} - b.read_us, 0)
+            FROM {gate}, clock, {buckets}
+            WHERE {condition} AND kb.{key} = b.key AND kb.{period} = b.period
+            RETURNING b.n, kb.{tat} AS tat_us, kb.{tat} - {judged} AS moved_us
+        ), new_buckets AS (
             INSERT INTO {table('KeyBucket')} ({bucket_columns})
-            SELECT {bucket_values}
-            FROM {gate}, clock, unnest(
-                %(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[], %(b_charged)s::bigint[]
-            ) AS b(key, period, tat_us, charged_us)
-            WHERE {condition}
-            ON CONFLICT ({column('KeyBucket', 'key')}, {column('KeyBucket', 'period')})
-            DO UPDATE SET {column('KeyBucket', 'tat_us')} = EXCLUDED.{column('KeyBucket', 'tat_us')}
+            SELECT {bucket_values} FROM {gate}, clock, {buckets} WHERE {condition}
+            ON CONFLICT ({key}, {period}) DO NOTHING
         )"""
 
 
@@ -299,7 +307,8 @@ def mark_running_group() -> str:
     All or nothing: the calls are locked first (``ready``), and unless every one is still its
     delivery's to start, nothing is written and no row returned, so the COMMIT a folded start
     sends with it (``dispatcher.folded``) keeps nothing of the group. Returns per started call
-    its attempt's id and number, then every column of the call (``columns`` order).
+    its attempt's id and number, the buckets that existed as [place, state, move] (``_start_writes``),
+    then every column of the call (``columns`` order).
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
@@ -330,7 +339,9 @@ def mark_running_group() -> str:
                 AS g(key, calls, units, total)
             WHERE state.{k('key')} = g.key AND won.all_won
         )
-        SELECT attempt.id, attempt.number, {columns('CallQueue', 'started.')}
+        SELECT attempt.id, attempt.number,
+            (SELECT array_agg(ARRAY[n, tat_us, moved_us] ORDER BY n) FROM moved_buckets),
+            {columns('CallQueue', 'started.')}
         FROM started JOIN attempt ON attempt.call_id = started.{c('id')}
     """
 

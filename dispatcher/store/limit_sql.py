@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 
 from dispatcher.states import CallStatus
-from dispatcher.store.schema import CLOCK, column, columns, lock_key_rows, table
+from dispatcher.store.schema import CLOCK, column, columns, epoch_us, lock_key_rows, table
 
 # table and triggers of migration 0008, PostgreSQL only, with no model, hence its name here);
 # NULL if its row is missing, which only disables keeping the policies between starts.
@@ -107,13 +107,12 @@ def adjust_reserved(keys: int) -> str:
 
 
 @functools.cache
-def remember_send_delay(memory: str = "send_delay") -> str:
-    """Keep a measured delay (%(us)s microseconds) on keys %(keys)s in one of their memories (the
-    start-to-send delay, or the lateness after a hold: ``guard.delay_memory``), each with its
-    memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory
-    over, a larger delay raises it; other rows are not touched (nor locked)."""
-    current, previous = column("KeyState", f"{memory}_us"), column("KeyState", f"{memory}_prev_us")
-    since, key = column("KeyState", f"{memory}_since"), column("KeyState", "key")
+def remember_send_delay() -> str:
+    """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
+    memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory over, a larger
+    delay raises it; other rows are not touched (nor locked)."""
+    current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
+    since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
     rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
     return f"""
         WITH m AS (
@@ -128,6 +127,50 @@ def remember_send_delay(memory: str = "send_delay") -> str:
             {since} = CASE WHEN {rolls} THEN m.t ELSE s.{since} END
         FROM m
         WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
+    """
+
+
+def _moved_by() -> str:
+    """How far a late request moves its buckets on, read at the move on the database's clock: its
+    lateness past its deadline (%(deadline)s, µs since the epoch), and %(pad)s µs for the rest
+    of its way out."""
+    return f"GREATEST({epoch_us(CLOCK)} - %(deadline)s, 0) + %(pad)s"
+
+
+@functools.cache
+def move_on_one() -> str:
+    """Move one bucket (%(key)s, %(period)s) on for a held request that goes out late, if it is
+    still in the state its start left it in (%(tat)s: no later start was charged on it since);
+    a row back, with how far it moved, if it did."""
+    key, period, tat = column("KeyBucket", "key"), column("KeyBucket", "period"), column("KeyBucket", "tat_us")
+    return (
+        f"UPDATE {table('KeyBucket')} SET {tat} = {tat} + {_moved_by()}"
+        f" WHERE {key} = %(key)s AND {period} = %(period)s AND {tat} = %(tat)s RETURNING {tat} - %(tat)s"
+    )
+
+
+@functools.cache
+def move_on() -> str:
+    """Move several buckets on as ``move_on_one`` does one, all or none (%(keys)s, %(periods)s,
+    %(tats)s). The rows are locked first, in key order, and a locked row is read as committed
+    after the wait. A row back, with how far they moved (NULL: they did not)."""
+    key, period, tat = column("KeyBucket", "key"), column("KeyBucket", "period"), column("KeyBucket", "tat_us")
+    bucket = table("KeyBucket")
+    return f"""
+        WITH e AS (
+            SELECT * FROM unnest(%(keys)s::text[], %(periods)s::interval[], %(tats)s::bigint[]) AS e(key, period, tat_us)
+        ), locked AS (
+            SELECT kb.{key} AS key, kb.{period} AS period, kb.{tat} AS tat_us FROM {bucket} AS kb
+            JOIN e ON kb.{key} = e.key AND kb.{period} = e.period
+            ORDER BY kb.{key}, kb.{period} FOR UPDATE OF kb
+        ), still AS (
+            SELECT COUNT(*) = cardinality(%(keys)s::text[]) AS last, {_moved_by()} AS by
+            FROM locked JOIN e ON locked.key = e.key AND locked.period = e.period AND locked.tat_us = e.tat_us
+        ), moved AS (
+            UPDATE {bucket} AS kb SET {tat} = kb.{tat} + still.by
+            FROM still, e WHERE still.last AND kb.{key} = e.key AND kb.{period} = e.period
+        )
+        SELECT CASE WHEN last THEN by END FROM still
     """
 
 

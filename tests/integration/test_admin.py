@@ -488,16 +488,17 @@ def test_view_only_staff_can_read_calls_and_limits(viewer, make_call):
     assert viewer.get(f"{LIMITS}add/").status_code == 403
 
 
-def test_dashboard_splits_bars_into_done_error_and_429(viewer, make_call):
+def test_dashboard_splits_bars_into_done_error_429_and_missed(viewer, make_call):
     now = db_now()
-    for outcome in ("done", "done", "error", "rate_limited"):
+    for outcome in ("done", "done", "error", "rate_limited", "missed"):
         call = make_call()
         Attempt.objects.create(call=call, number=1, started_at=now - timedelta(minutes=3), outcome=outcome)
         log_starts("api", [now - timedelta(minutes=3)])
     page = viewer.get(key_page("api")).content.decode()
     assert '<rect class="seg seg-done"' in page and 'data-n="2"' in page
     assert page.count('<rect class="seg seg-error"') == 1 and page.count('<rect class="seg seg-429"') == 1
-    assert "(2 done, 1 error, 1 deferred by 429)" in page
+    assert page.count('<rect class="seg seg-missed"') == 1
+    assert "(2 done, 1 error, 1 deferred by 429, 1 missed their send moment)" in page
 
 
 def test_dashboard_lists_keys_with_errors_first_then_blocked_then_the_longest_wait(viewer, make_call):

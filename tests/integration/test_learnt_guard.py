@@ -184,14 +184,18 @@ def test_a_worker_writes_only_a_delay_that_changes_what_its_start_read():
     with arrivals.reading_clock():
         pass
     clock_read, _ = arrivals.begin()
-    noted = arrivals.Noted({"k": span}, kept, T0 + 100 * MS, {"k": 30 * MS}, {"k": [timedelta(seconds=1)]}, {}, {})
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(20 * MS, 20 * MS)) == {}
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(40 * MS, 40 * MS)) == {("send_delay", 40 * MS): {"k": span}}
-    assert arrivals.to_write(None, noted, arrivals.Sent.of(40 * MS, 40 * MS)) == {}
+    noted = arrivals.Noted({"k": span}, kept, T0 + 100 * MS, {"k": 30 * MS}, {"k": [timedelta(seconds=1)]}, {})
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(20 * MS, 20 * MS)) == {}
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(40 * MS, 40 * MS)) == {40 * MS: {"k": span}}
+    assert arrivals.to_write(None, noted, arrivals.Sent(40 * MS, 40 * MS)) == {}
     # A bucket was charged at the start with a guard learnt from 30 ms: a send 40 ms after the
     # start moves it on by 10 ms; one within 30 ms does not move it.
-    assert arrivals.overdue(noted, 20 * MS) == {}
-    assert arrivals.overdue(noted, 40 * MS) == {"k": ([timedelta(seconds=1)], 10 * MS)}
+    assert arrivals.overdue(noted, arrivals.Sent(20 * MS, 20 * MS)) == {}
+    assert arrivals.overdue(noted, arrivals.Sent(40 * MS, 40 * MS)) == {"k": ([timedelta(seconds=1)], 10 * MS)}
+    # A held key's buckets were settled at its release: only a send marked later than that counts.
+    held = noted._replace(holds={"k": 25 * MS})
+    assert arrivals.overdue(held, arrivals.Sent(40 * MS, 20 * MS)) == {}
+    assert arrivals.overdue(held, arrivals.Sent(40 * MS, 20 * MS, 3 * MS)) == {"k": ([timedelta(seconds=1)], 3 * MS)}
 
 
 @pytest.mark.django_db(transaction=True)

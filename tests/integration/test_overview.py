@@ -55,7 +55,7 @@ def test_the_overview_shows_the_3am_scenario_worst_first(admin_client):
 def test_the_activity_chart_counts_attempts_per_minute_by_outcome(admin_client, make_call):
     now = db_now()
     three = now.replace(second=30, microsecond=0) - timedelta(minutes=3)
-    for outcome in ("done", "done", "error", "failed", "rate_limited", "running"):
+    for outcome in ("done", "done", "error", "failed", "rate_limited", "missed", "missed", "running"):
         Attempt.objects.create(call=make_call(), number=1, started_at=three, finished_at=three, outcome=outcome)
     old = make_call()
     Attempt.objects.create(call=old, number=1, started_at=now - timedelta(hours=2), finished_at=now - timedelta(hours=2), outcome="error")
@@ -63,7 +63,9 @@ def test_the_activity_chart_counts_attempts_per_minute_by_outcome(admin_client, 
     assert re.search(r'<rect class="seg-done" [^>]*data-n="2">', page)
     assert re.search(r'<rect class="seg-error" [^>]*data-n="2">', page)  # error and failed; not the old one
     assert re.search(r'<rect class="seg-429" [^>]*data-n="1">', page)
-    assert "2 done" in page and "2 error" in page and "1 429" in page
+    # A held request that was not sent is neither an error nor a 429.
+    assert re.search(r'<rect class="seg-missed" [^>]*data-n="2">', page)
+    assert "2 done" in page and "2 error" in page and "1 429" in page and "2 missed their send moment" in page
 
 
 def _queries(admin_client) -> int:

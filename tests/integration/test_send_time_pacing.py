@@ -1,19 +1,27 @@
 """Send-time pacing: a key whose policies are all buckets (a smooth rate, a token bucket) has its
 buckets judge and charge each start at the moment its request goes out, the start plus the delay
-its workers measured lately, and the worker holds the request until then. The guard then covers
-only what a hold leaves, not the whole start-to-send delay."""
+its workers measured lately, and the worker holds the request until then. Its guard covers the
+network and how late after that moment a request may go out; a request later than that moves
+its buckets on before it goes, or, once a later start was charged on them, is not sent."""
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime, timedelta
+from unittest import mock
 
 import pytest
+from django.db import connections
 
+from dispatcher import arrivals
+from dispatcher.calls import start as start_module
 from dispatcher.clock import db_now, from_us, to_us
-from dispatcher.limits import edit
+from dispatcher.limits import edit, ledger
 from dispatcher.limits.catalog import Policies
-from dispatcher.limits.guard import HOLD_SPREAD, held_guard
+from dispatcher.limits.guard import SEND_SLACK
 from dispatcher.limits.shapes import Reading, TokenBucket
-from dispatcher.models import CallQueue, KeyBucket, KeyState
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState
+from dispatcher.worker import execute
 from tests.integration.test_shapes import claim_all, run_all
 
 MS = timedelta(milliseconds=1)
@@ -28,20 +36,97 @@ def measured(key: str, delay: timedelta) -> None:
     )
 
 
-def owing(key: str) -> datetime:
-    """Leave the key's bucket (1 s) owing 100 ms, as under a backlog (a full bucket is not held);
-    return its state."""
+def owing(key: str, period: timedelta = timedelta(seconds=1)) -> datetime:
+    """Leave the key's bucket owing 100 ms, as under a backlog (a full bucket is not held); return its state."""
     tat = db_now() + 100 * MS
     KeyBucket.objects.update_or_create(
-        key=key, period=timedelta(seconds=1), defaults={"tat_us": to_us(tat), "since": db_now() - timedelta(seconds=1)}
+        key=key, period=period, defaults={"tat_us": to_us(tat), "since": db_now() - timedelta(seconds=1)}
     )
     return tat
+
+
+def bucket_state(key: str) -> datetime:
+    (bucket,) = KeyBucket.objects.filter(key=key)
+    return from_us(bucket.tat_us)
 
 
 def sent_after_judged(call: CallQueue) -> timedelta:
     """How long after the clock its start was judged on the handler sent (read the database clock)."""
     call.refresh_from_db()
     return datetime.fromisoformat(call.result["at"]) - datetime.fromisoformat(call.result["judged"])
+
+
+# --- the held bucket's arithmetic (pure) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("limit", "configured", "net", "guard"), [
+    # A smooth rate gives its guard at most 3% of its interval, the network's part never under 5 ms.
+    (20, 20 * MS, 5 * MS, 6 * MS),     # 3% of 50 ms is 1.5 ms: the floor
+    (5, 20 * MS, 5 * MS, 6 * MS),      # 3% of 200 ms is 6 ms, 1 of it the slack
+    (2, 20 * MS, 14 * MS, 15 * MS),    # 3% of 500 ms is 15 ms
+    (1, 20 * MS, 20 * MS, 21 * MS),    # 21 ms fits in 3% of a second: the configured guard whole
+    (20, 2 * MS, 2 * MS, 3 * MS),      # a configured guard under the floor is kept
+])
+def test_a_smooth_rate_gives_its_guard_a_share_of_its_rate_and_the_network_at_least_the_floor(limit, configured, net, guard):
+    held = TokenBucket("k", limit, timedelta(seconds=1), burst=1).with_hold(configured, 30 * MS, SEND_SLACK)
+    assert (held.net, held.guard, held.hold) == (net, guard, 30 * MS)
+    # What a request may take after its moment is the slack alone: the rest is the network's.
+    assert held.lateness == SEND_SLACK
+    assert held.interval == (timedelta(seconds=1) / limit + guard) // timedelta(microseconds=1)
+
+
+def test_a_bucket_that_holds_a_token_back_gives_a_late_request_all_the_token_absorbs():
+    """5 per second, 10 deep: the 20 ms guard costs a token of the burst, not rate; a whole
+    interval then covers the network and a request's lateness."""
+    held = TokenBucket("k", 5, timedelta(seconds=1), burst=10).with_hold(20 * MS, 30 * MS, SEND_SLACK)
+    assert (held.depth, held.interval, held.guard) == (9, 200_000, 200 * MS)
+    assert held.lateness == 180 * MS
+
+
+@pytest.mark.parametrize("burst", [1, 3])
+def test_a_held_bucket_judges_and_charges_a_start_at_its_send_moment(burst):
+    held = TokenBucket("k", 5, timedelta(seconds=1), burst=burst).with_hold(24 * MS, 80 * MS, SEND_SLACK)
+    # The same bucket unheld, under the held one's guard, judged at the send moment.
+    plain = TokenBucket("k", 5, timedelta(seconds=1), burst=burst, guard=held.guard)
+    tat = None
+    for i in range(12):
+        now = T0 + i * 37 * MS
+        reading = Reading(tat=tat)
+        assert held.room(reading, now) == plain.room(reading, now + 80 * MS)
+        assert held.alone(reading, now) == plain.alone(reading, now + 80 * MS)
+        assert held.charge(reading, now, 1) == plain.charge(reading, now + 80 * MS, 1)
+        frees = plain.frees_at(reading, now + 80 * MS, burst)
+        assert held.frees_at(reading, now, burst) == max(now, frees - 80 * MS)
+        if held.room(reading, now) >= 1:
+            tat = held.charge(reading, now, 1)
+
+
+def test_the_guards_and_holds_a_start_applies():
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    edit.set_policy("mixed", 5, timedelta(seconds=1), burst=1)
+    edit.set_policy("mixed", 1000, timedelta(hours=1))
+    edit.set_policy("fresh", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    measured("mixed", 80 * MS)
+    measured("fresh", timedelta(0))
+    policies = Policies.load()
+    states = {s.key: s for s in KeyState.objects.all()}
+    policies.apply_guards(["paced", "mixed", "fresh"], states, db_now())
+    # Nothing measured yet: not held, the configured guard.
+    assert policies.holds == {"paced": 80 * MS}
+    assert policies.guards == {"paced": 20 * MS, "mixed": 100 * MS, "fresh": 20 * MS}
+    # What a request may take after its start: the hold and the slack.
+    assert policies.learnt_delays == {"paced": 80 * MS + SEND_SLACK, "mixed": 80 * MS, "fresh": timedelta(0)}
+    (paced,) = policies.for_key("paced")
+    assert isinstance(paced, TokenBucket) and (paced.hold, paced.net, paced.guard) == (80 * MS, 5 * MS, 6 * MS)
+    # Released (its bucket full): the guard with the whole delay, no hold.
+    policies.release("paced")
+    assert (policies.holds, policies.guards["paced"], policies.learnt_delays["paced"]) == ({}, 100 * MS, 80 * MS)
+    (paced,) = policies.for_key("paced")
+    assert isinstance(paced, TokenBucket) and (paced.hold, paced.guard) == (timedelta(0), 100 * MS)
+
+
+# --- held requests, through a worker's start and run ---------------------------------------------
 
 
 @pytest.mark.parametrize("method", ["db_clock", "marked_clock"])
@@ -53,13 +138,13 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     call = CallQueue.objects.send(method, {}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     assert sent_after_judged(call) >= 80 * MS
-    # Charged from the recorded start (a little later than the clock it was judged on) plus the
-    # hold, or from the bucket's state if later: one interval of 200 ms, lengthened by the guard
-    # (20 ms + the 5 ms a hold leaves). (More only if the request went out later than the guard
-    # allows: the bucket moves on by that.)
-    (bucket,) = KeyBucket.objects.filter(key="paced")
-    charged = from_us(bucket.tat_us) - max(tat, call.started_at + 80 * MS)
-    assert 225 * MS <= charged < 225 * MS + 20 * MS
+    # Charged one interval, 200 ms lengthened by the guard (6 ms), from its send moment: the
+    # clock it was judged on plus the hold (or the bucket's state, if later). Not from its
+    # recorded start plus the hold: the start's record comes a little after it was judged, and
+    # charging from there cost a smooth rate that much of every interval.
+    judged = datetime.fromisoformat(call.result["judged"])
+    assert bucket_state("paced") - max(tat, judged + 80 * MS) == 206 * MS
+    assert call.started_at >= judged
 
 
 def test_a_full_bucket_is_not_held_its_guard_takes_the_delay():
@@ -71,8 +156,7 @@ def test_a_full_bucket_is_not_held_its_guard_takes_the_delay():
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     assert sent_after_judged(call) < 150 * MS
     # Charged at the start: one interval lengthened by the whole guard, 20 ms + 150 ms measured.
-    (bucket,) = KeyBucket.objects.filter(key="paced")
-    assert from_us(bucket.tat_us) - call.started_at == 200 * MS + 170 * MS
+    assert bucket_state("paced") - call.started_at == 200 * MS + 170 * MS
 
 
 def test_a_key_with_a_window_is_not_held_its_guard_takes_the_delay():
@@ -82,9 +166,8 @@ def test_a_key_with_a_window_is_not_held_its_guard_takes_the_delay():
     call = CallQueue.objects.send("db_clock", {}, keys=["mixed"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     call.refresh_from_db()
-    (bucket,) = KeyBucket.objects.filter(key="mixed")
     # Charged at the start, one interval lengthened by the whole guard: 20 ms + 80 ms measured.
-    assert from_us(bucket.tat_us) - call.started_at == 200 * MS + 100 * MS
+    assert bucket_state("mixed") - call.started_at == 200 * MS + 100 * MS
 
 
 def test_a_held_key_remembers_the_delay_before_its_hold_so_a_hold_never_feeds_itself():
@@ -107,116 +190,122 @@ def test_a_held_key_remembers_the_delay_before_its_hold_so_a_hold_never_feeds_it
     assert 30_000 <= KeyState.objects.get(key="paced").send_delay_us < 80_000
 
 
-def test_the_guards_and_holds_a_start_applies():
-    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
-    edit.set_policy("mixed", 5, timedelta(seconds=1), burst=1)
-    edit.set_policy("mixed", 1000, timedelta(hours=1))
-    measured("paced", 80 * MS)
-    measured("mixed", 80 * MS)
-    measured("fresh", timedelta(0))
-    edit.set_policy("fresh", 5, timedelta(seconds=1), burst=1)
-    policies = Policies.load()
-    states = {s.key: s for s in KeyState.objects.all()}
-    policies.apply_guards(["paced", "mixed", "fresh"], states, db_now())
-    assert policies.holds == {"paced": 80 * MS, "fresh": timedelta(0)}
-    assert policies.guards == {"paced": 20 * MS + HOLD_SPREAD, "mixed": 100 * MS, "fresh": 20 * MS}
-    # What the guard allows a request after its start: the hold and the spread a hold leaves.
-    assert policies.learnt_delays == {"paced": 80 * MS + HOLD_SPREAD, "mixed": 80 * MS, "fresh": timedelta(0)}
-    (paced,) = policies.for_key("paced")
-    assert isinstance(paced, TokenBucket) and paced.hold == 80 * MS
-    # Released (its bucket full): the guard with the whole delay, no hold.
-    policies.release("paced")
-    assert (policies.holds, policies.guards["paced"], policies.learnt_delays["paced"]) == (
-        {"fresh": timedelta(0)}, 100 * MS, 80 * MS,
-    )
-    (paced,) = policies.for_key("paced")
-    assert isinstance(paced, TokenBucket) and (paced.hold, paced.guard) == (timedelta(0), 100 * MS)
-
-
-def test_held_guard_stays_within_the_cap():
-    floor, cap = 20 * MS, 250 * MS
-    assert held_guard(floor, cap, timedelta(0)) == (floor, timedelta(0))
-    assert held_guard(floor, cap, 2 * MS) == (22 * MS, 2 * MS)
-    assert held_guard(floor, cap, 80 * MS) == (floor + HOLD_SPREAD, 80 * MS)
-    assert held_guard(floor, cap, 900 * MS) == (floor + HOLD_SPREAD, 230 * MS)
-    # A lateness after the hold measured lately widens the guard by it (within the cap).
-    assert held_guard(floor, cap, 80 * MS, 12 * MS) == (32 * MS, 80 * MS)
-    assert held_guard(floor, cap, 80 * MS, 2 * MS) == (floor + HOLD_SPREAD, 80 * MS)
-    assert held_guard(floor, cap, 80 * MS, 900 * MS) == (cap, 80 * MS)
-    # Learning off (the cap is the floor): no hold, the configured guard.
-    assert held_guard(floor, floor, 80 * MS, 12 * MS) == (floor, timedelta(0))
-
-
-def test_a_held_key_learns_how_late_its_requests_go_out_after_the_hold_and_its_guard_absorbs_it():
-    """A handler held before it is invoked that works 40 ms before it sends: its requests go out
-    40-odd ms after their hold. The bucket moves on by what the guard did not allow for, and the
-    key keeps the lateness: the next start's guard absorbs it."""
+def test_a_late_held_request_moves_its_bucket_on_by_its_lateness_before_it_goes():
+    """Held 80 ms, a handler that works 150 ms before it sends: its request reaches its moment
+    70-odd ms late. No later start was charged on its bucket, so the bucket moves on by the
+    lateness (and MOVE_PAD) and the request goes out."""
     edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
     measured("paced", 80 * MS)
     tat = owing("paced")
-    call = CallQueue.objects.send("late_send", {"delay": 0.04}, keys=["paced"])
+    call = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
     call.refresh_from_db()
-    state = KeyState.objects.get(key="paced")
-    assert 40_000 <= state.hold_late_us < 80_000
-    assert state.send_delay_us == 80_000  # the delay before the hold did not grow
-    (bucket,) = KeyBucket.objects.filter(key="paced")
-    late = timedelta(microseconds=state.hold_late_us)
-    # Charged from the start plus the hold (or the bucket's state), then moved on by the lateness
-    # beyond the 5 ms its guard allowed.
-    assert from_us(bucket.tat_us) - max(tat, call.started_at + 80 * MS) >= 225 * MS + late - 5 * MS
-    policies = Policies.load()
-    policies.apply_guards(["paced"], {"paced": state}, db_now())
-    assert policies.guards["paced"] == 20 * MS + late
-    assert policies.holds["paced"] == 80 * MS
+    judged = datetime.fromisoformat(call.result["judged"])
+    sent = datetime.fromisoformat(call.result["at"])
+    moment = max(tat, judged + 80 * MS)
+    moved = bucket_state("paced") - (moment + 206 * MS)
+    # At least its lateness past what its moment allowed (the slack), the pad on top.
+    assert moved >= sent - moment - SEND_SLACK
+    assert moved >= arrivals.MOVE_PAD and sent - judged >= 150 * MS
+    assert list(Attempt.objects.values_list("outcome", flat=True)) == ["done"]
 
 
-@pytest.mark.parametrize("burst", [1, 3])
-def test_a_held_bucket_judges_and_charges_a_start_at_its_send_moment(burst):
-    plain = TokenBucket("k", 5, timedelta(seconds=1), burst=burst, guard=25 * MS)
-    held = plain.with_hold(25 * MS, 80 * MS)
-    tat = None
-    for i in range(12):
-        now = T0 + i * 37 * MS
-        reading = Reading(tat=tat)
-        assert held.room(reading, now) == plain.room(reading, now + 80 * MS)
-        assert held.alone(reading, now) == plain.alone(reading, now + 80 * MS)
-        assert held.charge(reading, now, 1) == plain.charge(reading, now + 80 * MS, 1)
-        frees = plain.frees_at(reading, now + 80 * MS, burst)
-        assert held.frees_at(reading, now, burst) == max(now, frees - 80 * MS)
-        if held.room(reading, now) >= 1:
-            tat = held.charge(reading, now, 1)
+def test_a_late_held_request_after_a_later_start_is_not_sent_and_waits_again():
+    """A smooth 20 per second, held 80 ms. The first call's handler works 150 ms before it sends;
+    meanwhile the second call starts, charged on the bucket as the first left it. The first
+    request may then not go out (it would arrive too close to the second's): it is not sent, and
+    the call waits again, its attempt refunded."""
+    edit.set_policy("paced", 20, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    owing("paced")
+    first = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
+    second = CallQueue.objects.send("marked_clock", {}, keys=["paced"])
+    claimed = claim_all(first.key_set).calls
+    assert [c.id for c in claimed][:1] == [first.id]
+    outcomes: dict[int, str] = {}
+
+    def run(call_id: int, dispatch_no: int) -> None:
+        try:
+            outcomes[call_id] = execute(call_id, dispatch_no)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=run, args=(c.id, c.dispatch_no)) for c in claimed[:1]]
+    threads[0].start()
+    time.sleep(0.03)  # the first has started and is at work
+    more = claimed[1:] or claim_all(first.key_set).calls
+    threads.append(threading.Thread(target=run, args=(second.id, more[0].dispatch_no)))
+    threads[1].start()
+    for thread in threads:
+        thread.join(10)
+    assert outcomes == {first.id: "missed", second.id: "done"}
+    first.refresh_from_db()
+    assert (first.status, first.attempts, first.deferrals) == ("pending", 0, 1)
+    assert first.result is None  # its handler never got past the send
+    (attempt,) = Attempt.objects.filter(call=first)
+    assert attempt.outcome == Attempt.Outcome.MISSED and "after a later start" in attempt.error
 
 
-def test_what_a_held_call_keeps_the_delay_before_its_hold_and_its_lateness_after_it():
+@pytest.mark.postgres  # SQLite's write lock keeps a move out of a start's transaction
+def test_a_start_written_after_a_move_carries_it_and_holds_its_request_that_much_longer():
+    """A late request moves the bucket on between a start's judgement and its write: the start
+    writes the move on top of its charge and its request is held that much longer."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    tat = owing("paced")
+    call = CallQueue.objects.send("db_clock", {}, keys=["paced"])
+    (claimed,) = claim_all(call.key_set).calls
+    mark = start_module._mark_running
+
+    def mark_after_a_move(*args, **kwargs):
+        # Another worker's late request, on a connection of its own, while this start holds the
+        # key's lock: the move takes the bucket's row alone.
+        def move() -> None:
+            try:
+                by = ledger.move_on({"paced": [(timedelta(seconds=1), to_us(tat))]}, db_now() - 40 * MS, timedelta(0))
+                assert by is not None and by >= 40 * MS
+            finally:
+                connections.close_all()
+
+        mover = threading.Thread(target=move)
+        mover.start()
+        mover.join(10)
+        return mark(*args, **kwargs)
+
+    with mock.patch.object(start_module, "_mark_running", mark_after_a_move):
+        assert execute(claimed.id, claimed.dispatch_no) == "done"
+    moved = from_us(KeyBucket.objects.get(key="paced").tat_us) - (max(tat, datetime.fromisoformat(sent_clock(call)["judged"]) + 80 * MS) + 206 * MS)
+    assert moved >= 40 * MS
+    # Held the move longer: sent no sooner than its moment and the move.
+    assert sent_after_judged(call) >= 80 * MS + moved
+
+
+def sent_clock(call: CallQueue) -> dict[str, str]:
+    call.refresh_from_db()
+    return call.result
+
+
+def test_what_a_held_call_keeps_the_delay_before_its_hold_and_other_keys_the_delay_after_it():
     """A call of a held key (80 ms) and a key with a window: the held key keeps the delay before
-    the hold and how much later than the hold, or than that delay, the request went out; the
-    other key the delay after the hold."""
-    from dispatcher import arrivals
-
+    the hold, the other key the delay after it."""
     span = timedelta(seconds=1)
     with arrivals.reading_clock():
         pass
     clock_read, _ = arrivals.begin()
-    noted = arrivals.Noted({"k": span, "w": span}, {}, T0, {}, {}, {"k": 80 * MS}, {})
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(85 * MS, 30 * MS)) == {
-        ("send_delay", 30 * MS): {"k": span}, ("hold_late", 5 * MS): {"k": span}, ("send_delay", 85 * MS): {"w": span},
-    }
-    # Later than the hold before it: the delay raises the next hold, only what followed it the guard.
-    assert arrivals.to_write(clock_read, noted, arrivals.Sent.of(102 * MS, 100 * MS)) == {
-        ("send_delay", 100 * MS): {"k": span}, ("hold_late", 2 * MS): {"k": span}, ("send_delay", 102 * MS): {"w": span},
-    }
+    noted = arrivals.Noted({"k": span, "w": span}, {}, T0, {}, {}, {"k": 80 * MS})
+    assert arrivals.to_write(clock_read, noted, arrivals.Sent(85 * MS, 30 * MS)) == {30 * MS: {"k": span}, 85 * MS: {"w": span}}
 
 
-def test_several_calls_measured_together_never_keep_less_lateness_than_one_of_them():
-    """A message's calls of the same keys are kept as one measurement (the largest of each)."""
-    from dispatcher import arrivals
-
-    hold = 80 * MS
-    calls = [arrivals.Sent.of(100 * MS, 30 * MS), arrivals.Sent.of(95 * MS, 95 * MS), arrivals.Sent.of(84 * MS, 20 * MS)]
-    together = None
-    for sent in calls:
-        together = sent.most(together)
-    assert together is not None
-    assert together.late(hold) >= max(sent.late(hold) for sent in calls) == 20 * MS
-    assert (together.delay, together.natural) == (100 * MS, 95 * MS)
+def test_a_held_send_marked_later_than_its_release_allowed_moves_its_buckets_after_it():
+    """A handler held when it is invoked that marks its send 40 ms later: the lateness after its
+    release is known only then, and its buckets move on by it (``overdue``)."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    tat = owing("paced")
+    call = CallQueue.objects.send("late_send", {"delay": 0.04}, keys=["paced"])
+    (claimed,) = claim_all(call.key_set).calls
+    assert execute(claimed.id, claimed.dispatch_no) == "done"
+    call.refresh_from_db()
+    # Charged from its moment (80 ms after the start's clock, a few ms before the recorded start),
+    # then moved on by the 40-odd ms the handler took beyond the slack.
+    assert bucket_state("paced") - max(tat, call.started_at + 80 * MS) >= 206 * MS + 40 * MS - SEND_SLACK - 10 * MS
