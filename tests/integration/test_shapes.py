@@ -110,6 +110,35 @@ def test_a_dispenser_claims_a_smooth_rates_next_calls_as_far_ahead_as_it_looks(s
     assert starts[1] - starts[0] >= timedelta(microseconds=66_667)
 
 
+def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeypatch):
+    """A held start that waits for its slot holding the key's lock and wakes a few ms late is
+    judged at the slot: its bucket is charged from the moment the slot gave it, so a smooth
+    rate's turns stay one interval apart whatever the sleep's overshoot (SLOT_GIVE)."""
+    import time as real_time
+
+    from dispatcher.calls import start as start_module
+    from dispatcher.clock import db_now
+
+    edit.set_policy("paced", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
+    KeyState.objects.update_or_create(key="paced", defaults={"send_delay_us": 20_000, "send_delay_since": db_now()})
+    call = CallQueue.objects.send("greet", {"name": "ada"}, keys=["paced"])
+    (claimed,) = claim_all(call.key_set).calls
+    # Its slot frees 25 ms from now (its moment 45 ms, after the 20 ms hold): the start waits for it.
+    KeyBucket.objects.update_or_create(
+        key="paced", period=timedelta(seconds=1),
+        defaults={"tat_us": to_us(db_now() + timedelta(milliseconds=45)), "since": db_now()},
+    )
+    before = from_us(KeyBucket.objects.get(key="paced").tat_us)
+    # Every wait for a slot oversleeps by 3 ms.
+    monkeypatch.setattr(start_module, "time", type("Late", (), {"sleep": staticmethod(lambda s: real_time.sleep(s + 0.003))}))
+    assert run_all([claimed]) == ["done"]
+    # Its moment is the bucket's state then (the slot), not 3 ms and the clock's read after it:
+    # charged one interval (100 ms, the guard's 5 ms floor and 1 ms slack) from there, or, had the
+    # sleep and the read together overshot by more than SLOT_GIVE, from SLOT_GIVE before them.
+    charged = from_us(KeyBucket.objects.get(key="paced").tat_us) - before
+    assert timedelta(milliseconds=106) <= charged < timedelta(milliseconds=106 + 3)
+
+
 def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_started_alone(settings):
     """A learnt guard of 2.5 s takes 3 tokens of a 10-deep bucket (one per second): depth 7, no
     rate lost. A call of 10 units, which send() accepted, still starts, alone, on a full bucket."""
