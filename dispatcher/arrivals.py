@@ -27,8 +27,11 @@ is held before it is invoked, unless it is registered with ``marks_sent`` (then 
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -42,7 +45,8 @@ from dispatcher.running import carry, here
 class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
     database time, what its guard allows a request after the start, its buckets' periods, and
-    for a held key its hold."""
+    for a held key its hold and how late after the start its buckets let the request arrive
+    (the hold and the whole guard: ``reach``)."""
 
     spans: dict[str, timedelta]
     kept: dict[str, DelayMemory]
@@ -50,6 +54,7 @@ class Noted(NamedTuple):
     allowed: dict[str, timedelta]
     buckets: dict[str, list[timedelta]]
     holds: dict[str, timedelta]
+    reach: dict[str, timedelta] | None = None
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
@@ -58,26 +63,28 @@ class Noted(NamedTuple):
 
         return Noted(
             mine(self.spans), mine(self.kept), self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
+            mine(self.reach or {}),
         )
 
 
 # Per key, its buckets: (period, the state its start left it in, µs).
 Buckets = dict[str, list[tuple[timedelta, int]]]
 # Moves a late request's buckets on (``ledger.move_on``: the buckets, the deadline on the
-# database's clock, the pad; how far they moved or None): the worker gives it, as this module
-# loads with the package, before any model may be defined.
-MoveOn = Callable[[Buckets, datetime, timedelta], "timedelta | None"]
+# database's clock or None, the pad; how far they moved or None): the worker gives it, as this
+# module loads with the package, before any model may be defined.
+MoveOn = Callable[[Buckets, "datetime | None", timedelta], "timedelta | None"]
 
 
 class Held(NamedTuple):
     """A held request: this thread's monotonic time just after its start read the database clock
     and that clock (both later by any move its start carried), what each held key allows the
-    request after it (its hold and lateness), the states its start left the keys' buckets in,
-    and how to move them on."""
+    request after it (its hold and lateness) and how late it may arrive (``Noted.reach``), the
+    states its start left the keys' buckets in, and how to move them on."""
 
     after: float
     clock: datetime
     allowed: dict[str, timedelta]
+    reach: dict[str, timedelta]
     buckets: Buckets
     move_on: MoveOn
 
@@ -94,8 +101,10 @@ class SendMissed(BaseException):  # noqa: N818 - what happened, as StopIteration
 SPIN = 0.002
 
 # How much more than its lateness when the move is made a late request moves its buckets on:
-# the move's way back and the write after it (a request that goes out later than that is not sent).
+# the move's way back and the write after it. A request that comes later than that moves them on
+# again, at most MOVES times in all (then it is not sent).
 MOVE_PAD = timedelta(milliseconds=2)
+MOVES = 3
 
 # Handlers that mark their send themselves (``mark_sent``): held there, not when invoked.
 _marks_sent: set[Callable[..., Any]] = set()
@@ -145,8 +154,54 @@ def judged_earlier(by: timedelta) -> None:
 
 def note_start(noted: Noted) -> None:
     """Remember, for the start being judged, how long each key keeps its measured delays and what
-    it kept (so a worker writes only a delay that changes it), and the rest of ``Noted``."""
-    here().noted = noted
+    it kept (so a worker writes only a delay that changes it), and the rest of ``Noted``; and
+    the start's clock reading, for this process's reading of the database clock (``Offsets``)."""
+    run = here()
+    run.noted = noted
+    _offsets.note(run.clock_read, run.clock_after, noted.now)
+
+
+# How long this process keeps what its starts read of the database clock (``Offsets``): short
+# enough that two clocks drifting apart (ppm) move it by microseconds.
+OFFSET_WINDOW = 10.0
+
+
+class Offsets:
+    """Where the database's clock stands on this process's monotonic clock, read from its starts.
+
+    A start's reading of the database clock happened between this process's monotonic time just
+    before its query and just after it: the offset (monotonic less database time) lies between
+    those two less the database's time. Just after bounds it from above, late by however long
+    the answer took to come back and the thread to run again (a descheduled thread: several ms).
+    The least upper bound of the recent starts is the closest one that is still safe: a request
+    held to its moment on it leaves no sooner than its moment. A reading whose lower bound is
+    above that least one means a clock stepped: what was kept is dropped.
+    """
+
+    def __init__(self) -> None:
+        self._kept: deque[tuple[float, float]] = deque(maxlen=64)
+        self._lock = threading.Lock()
+
+    def note(self, before: float | None, after: float | None, clock: datetime) -> None:
+        if before is None or after is None:
+            return
+        epoch = clock.timestamp()
+        with self._lock:
+            if self._kept and before - epoch > min(upper for _, upper in self._kept):
+                self._kept.clear()
+            self._kept.append((after, after - epoch))
+
+    def at(self, clock: datetime, fallback: float) -> float:
+        """Return the database time ``clock`` on this process's monotonic clock (``fallback``:
+        nothing read lately)."""
+        with self._lock:
+            while self._kept and self._kept[0][0] < time.monotonic() - OFFSET_WINDOW:
+                self._kept.popleft()
+            least = min((upper for _, upper in self._kept), default=None)
+        return fallback if least is None else clock.timestamp() + least
+
+
+_offsets = Offsets()
 
 
 def overdue(noted: Noted | None, sent: Sent) -> dict[str, tuple[list[timedelta], timedelta]]:
@@ -191,33 +246,99 @@ def hold(run: Any) -> None:
         time.sleep(run.hold_until - SPIN - run.natural)
     while time.monotonic() < run.hold_until:
         pass  # on the CPU for the hold's last SPIN: a thread woken from a sleep comes late
-    moved = release(run.held)
+    run.held_moved = release(run.held)
     # The latest a send may be marked and still be what its buckets were charged for.
-    run.held_latest = run.held.after + (min(run.held.allowed.values()) + moved).total_seconds()
+    run.held_latest = run.held.after + min(
+        (allowed + run.held_moved.get(key, timedelta(0)) for key, allowed in run.held.allowed.items())
+    ).total_seconds()
 
 
-def release(held: Held) -> timedelta:
+def release(held: Held) -> dict[str, timedelta]:
     """Let a held request go out, moving its buckets on first if it is later than they allow
-    (return how far); raise ``SendMissed`` if it may not go: a later start was charged on them
-    meanwhile, the move failed, the request would go out later than the move allows for, or
-    past GUARD_MAX after its start (a bucket's refund replays no start later than that)."""
+    (return how far, per key moved); raise ``SendMissed`` if it may not go: a later start was
+    charged on them meanwhile, the move failed, the request would go out later than the move
+    allows for, or past GUARD_MAX after its start (a bucket's refund replays no start later)."""
     elapsed = timedelta(seconds=time.monotonic() - held.after)
-    late = [allowed for allowed in held.allowed.values() if elapsed > allowed]
-    if not late:
-        return timedelta(0)
+    keys = [key for key, allowed in held.allowed.items() if elapsed > allowed]
+    if not keys:
+        return {}
     if elapsed + MOVE_PAD > GUARD_MAX:
         raise SendMissed(f"{elapsed.total_seconds() * 1000:.0f} ms after its start")
-    allowed = min(late)
-    keys = [key for key, allows in held.allowed.items() if elapsed > allows]
-    try:
-        by = held.move_on({key: held.buckets.get(key, []) for key in keys}, held.clock + allowed, MOVE_PAD)
-    except DatabaseError as exc:
-        raise SendMissed(f"its buckets could not be moved on: {exc!r}") from None
-    if by is None:
-        raise SendMissed(f"{(elapsed - allowed).total_seconds() * 1000:.1f} ms late, after a later start")
-    if timedelta(seconds=time.monotonic() - held.after) > allowed + by:
-        raise SendMissed(f"later than its buckets were moved on for ({by.total_seconds() * 1000:.1f} ms)")
-    return by + allowed - min(held.allowed.values())
+    allowed = min(held.allowed[key] for key in keys)
+    states = {key: held.buckets.get(key, []) for key in keys}
+    by = timedelta(0)
+    for _ in range(MOVES):
+        # Each move from the state the one before left, by what is still late when it is made.
+        try:
+            more = held.move_on(states, held.clock + allowed + by, MOVE_PAD)
+        except DatabaseError as exc:
+            raise SendMissed(f"its buckets could not be moved on: {exc!r}") from None
+        if more is None:
+            raise SendMissed(f"{(elapsed - allowed).total_seconds() * 1000:.1f} ms late, after a later start")
+        by += more
+        if timedelta(seconds=time.monotonic() - held.after) <= allowed + by:
+            return {key: by + allowed - held.allowed[key] for key in keys}
+        states = {key: [(period, tat + more // timedelta(microseconds=1)) for period, tat in found] for key, found in states.items()}
+    raise SendMissed(f"later than its buckets were moved on for, {MOVES} times ({by.total_seconds() * 1000:.1f} ms)")
+
+
+# How many of a key's recent round trips (the send to the answer's headers) this process keeps:
+# their least is what the answer to a request the API saw on time takes.
+ROUND_TRIPS = 32
+_round_trips: dict[str, deque[float]] = {}
+_round_trips_lock = threading.Lock()
+
+
+def _least_round_trip(keys: Collection[str], took: float) -> float | None:
+    """Keep a round trip on each key; return the least of the keys' recent ones before it (None: none yet)."""
+    with _round_trips_lock:
+        kept = [_round_trips.setdefault(key, deque(maxlen=ROUND_TRIPS)) for key in keys]
+        least = min((min(trips) for trips in kept if trips), default=None)
+        for trips in kept:
+            trips.append(took)
+        if len(_round_trips) > MAX_ROUND_TRIP_KEYS:
+            _round_trips.clear()
+    return least
+
+
+# Keys whose round trips one process keeps, at most (cleared when full).
+MAX_ROUND_TRIP_KEYS = 10_000
+# How much more than an answer's lateness says the buckets move on: a round trip's least is a
+# noisy reading of when the API sees a request on time (the rest of the trip varies too).
+ANSWER_PAD = timedelta(milliseconds=1)
+
+
+def answered() -> None:
+    """Note that the answer to the running call's request has come (its headers): if it took
+    longer than the key's least recent round trip by more than its buckets let the request
+    arrive late, the API may have seen the request that much later (an nginx stamps a request
+    when its process gets to it): move the buckets on by the difference, as long as no later
+    start was charged on them (else there is nothing left to protect). A best effort after the
+    send: never fails the call."""
+    run = here()
+    held, sent = run.held, run.sent
+    if held is None or sent is None or run.held_latest is None:
+        return
+    took = time.monotonic() - sent
+    least = _least_round_trip(held.reach, took)
+    if least is None:
+        return
+    moved = run.held_moved or {}
+    # The latest the API may have seen it, after the start's clock: when it went out, and how
+    # much longer than the least its answer took.
+    seen = timedelta(seconds=sent - held.after + took - least)
+    over = {key: seen - reach - moved.get(key, timedelta(0)) for key, reach in held.reach.items()}
+    over = {key: by for key, by in over.items() if by > timedelta(0)}
+    if not over:
+        return
+    states = {
+        key: [(period, tat + moved.get(key, timedelta(0)) // timedelta(microseconds=1)) for period, tat in held.buckets.get(key, [])]
+        for key in over
+    }
+    by = max(over.values()) + ANSWER_PAD
+    with contextlib.suppress(DatabaseError):
+        if held.move_on(states, None, by) is not None:
+            run.held_moved = {**moved, **{key: moved.get(key, timedelta(0)) + by for key in over}}
 
 
 def mark_sent() -> None:
@@ -235,9 +356,12 @@ def mark_sent() -> None:
 
 
 def trace(event: str, info: dict[str, Any]) -> None:
-    """An httpcore trace hook: the request's headers start going out (the connection is open)."""
+    """An httpcore trace hook: the request's headers start going out (the connection is open),
+    and the answer's headers have come."""
     if event.endswith("send_request_headers.started"):
         mark_sent()
+    elif event.endswith("receive_response_headers.complete"):
+        answered()
 
 
 def snapshot() -> tuple[float | None, Noted | None, float | None]:
@@ -262,16 +386,19 @@ def begin(
     moved them on since its start read them (``moved``: its request goes out that much later),
     and ``move_on``."""
     run = here()
-    run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = None
+    run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
     # A group's start noted all its calls' keys: this call's only.
     noted = run.noted if keys is None or run.noted is None else run.noted.of(keys)
     if noted is not None and noted.holds and move_on is not None:
-        # From just after the start's clock was read: on the database's time the request then
-        # leaves no sooner than the start's clock plus the hold, the moment its buckets judged.
-        after = (run.clock_after if run.clock_after is not None else time.monotonic()) + moved.total_seconds()
+        # The start's clock on this process's clock (at the latest just after the start read it):
+        # the request then leaves no sooner than the start's clock plus the hold, on the
+        # database's time, the moment its buckets judged.
+        after = _offsets.at(noted.now, run.clock_after if run.clock_after is not None else time.monotonic())
+        after += moved.total_seconds()
         run.hold_until = after + max(noted.holds.values()).total_seconds()
         run.held = Held(
             after, noted.now + moved, {key: noted.allowed[key] for key in noted.holds},
+            {key: (noted.reach or {}).get(key, noted.allowed[key]) for key in noted.holds},
             {key: (buckets or {}).get(key, []) for key in noted.holds}, move_on,
         )
     return run.clock_read, noted

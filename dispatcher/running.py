@@ -39,8 +39,10 @@ class Run:
     clock_after: float | None = None
     hold_until: float | None = None
     held: Any = None
-    # Once released: the latest its send may be marked and be what its buckets were charged for.
+    # Once released: the latest its send may be marked and be what its buckets were charged for,
+    # and how far its buckets were moved on, per key (``arrivals.release``, ``arrivals.answered``).
     held_latest: float | None = None
+    held_moved: dict[str, Any] | None = None
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None

@@ -208,7 +208,7 @@ def _checked() -> Iterator[None]:
         _set_checked(True)
 
 
-def _move_on(moved: arrivals.Buckets, deadline: datetime, pad: timedelta) -> timedelta | None:
+def _move_on(moved: arrivals.Buckets, deadline: datetime | None, pad: timedelta) -> timedelta | None:
     """Move a late held request's buckets on (``ledger.move_on``) from inside its handler, as our
     own statement: without the health check a handler's first query gets (``_checked``)."""
     _set_checked(True)

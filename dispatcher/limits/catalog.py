@@ -65,6 +65,9 @@ class Policies:
     guards: dict[str, timedelta] = field(default_factory=dict)
     learnt_delays: dict[str, timedelta] = field(default_factory=dict)
     holds: dict[str, timedelta] = field(default_factory=dict)
+    # Per held key, how late after its start its buckets let a request arrive: the hold and the
+    # whole guard (``arrivals.answered``).
+    reach: dict[str, timedelta] = field(default_factory=dict)
     spans: dict[str, timedelta] = field(default_factory=dict)
     _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
     # Per held key, its guard and delay were it not held (``release``).
@@ -172,7 +175,9 @@ class Policies:
         A process keeps its policies for later starts, on several threads at once; each start
         applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
         """
-        return dataclasses.replace(self, guards={}, learnt_delays={}, holds={}, spans={}, _guarded={}, _unheld={})
+        return dataclasses.replace(
+            self, guards={}, learnt_delays={}, holds={}, reach={}, spans={}, _guarded={}, _unheld={}
+        )
 
     def apply_guards(
         self, keys: Iterable[str], states: Mapping[str, KeyState], now: datetime | None
@@ -188,6 +193,7 @@ class Policies:
             self._guarded.pop(key, None)
             self.guards.pop(key, None)
             self.holds.pop(key, None)
+            self.reach.pop(key, None)
             self._unheld.pop(key, None)
             governing = self.for_key(key)
             if not governing:
@@ -198,8 +204,9 @@ class Policies:
             if hold > timedelta(0) and all(isinstance(p, TokenBucket) for p in governing):
                 # Its requests are held to their start plus the delay measured (send-time pacing).
                 self.guards[key], self.holds[key] = floor, hold
-                lateness = min(p.lateness for p in self.for_key(key) if isinstance(p, TokenBucket))
-                self.learnt_delays[key] = hold + lateness
+                held = [p for p in self.for_key(key) if isinstance(p, TokenBucket)]
+                self.learnt_delays[key] = hold + min(p.lateness for p in held)
+                self.reach[key] = hold + min(p.guard for p in held)
                 self._unheld[key] = arrival_guard(floor, cap, learnt), learnt
                 continue
             self.learnt_delays[key] = learnt
@@ -212,6 +219,7 @@ class Policies:
         would cost latency for nothing)."""
         self.guards[key], self.learnt_delays[key] = self._unheld.pop(key)
         del self.holds[key]
+        self.reach.pop(key, None)
         self._guarded.pop(key, None)
 
     def pattern_pause(self, key: str) -> datetime | None:

@@ -344,7 +344,7 @@ def assess(
         arrivals.note_start(arrivals.Noted(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            dict(policies.holds),
+            dict(policies.holds), dict(policies.reach),
         ))
     costs = costs or {}
     verdicts = {

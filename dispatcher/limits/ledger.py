@@ -170,12 +170,14 @@ def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], u
 
 
 def move_on(
-    moved: Mapping[str, Sequence[tuple[timedelta, int]]], deadline: datetime, pad: timedelta, using: str | None = None
+    moved: Mapping[str, Sequence[tuple[timedelta, int]]], deadline: datetime | None, pad: timedelta,
+    using: str | None = None,
 ) -> timedelta | None:
     """Move the buckets of held keys (per key: each bucket's period and the state its start left
     it in, µs) on, for a request that goes out later than they allowed (its ``deadline``, on the
     database's clock): by its lateness when the move is made, plus ``pad`` for the rest of its
-    way out. Return how far they moved, or None if they did not.
+    way out (by ``pad`` alone without a deadline: an answer that says the API saw the request
+    late, ``arrivals.answered``). Return how far they moved, or None if they did not.
 
     Only while each bucket still holds that state: a later start charged on it was judged on it
     as it was, and its request may already be on its way. A start judged before the move and
@@ -190,7 +192,7 @@ def move_on(
     if not rows:
         return timedelta(0)
     db = alias(using)
-    deadline_us, pad_us = to_us(deadline), pad // timedelta(microseconds=1)
+    deadline_us, pad_us = None if deadline is None else to_us(deadline), pad // timedelta(microseconds=1)
     if schema.postgresql_path(db):
         connection = connections[db]
         if connection.in_atomic_block:
@@ -218,7 +220,7 @@ def move_on(
         for key, period, tat in rows:
             if not buckets.filter(key=key, period=period, tat_us=tat).exists():
                 return None
-        by = max(to_us(db_now(db)) - deadline_us, 0) + pad_us
+        by = (0 if deadline_us is None else max(to_us(db_now(db)) - deadline_us, 0)) + pad_us
         for key, period, _ in rows:
             buckets.filter(key=key, period=period).update(tat_us=models.F("tat_us") + by)
     return timedelta(microseconds=by)

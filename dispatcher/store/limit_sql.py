@@ -132,9 +132,9 @@ def remember_send_delay() -> str:
 
 def _moved_by() -> str:
     """How far a late request moves its buckets on, read at the move on the database's clock: its
-    lateness past its deadline (%(deadline)s, µs since the epoch), and %(pad)s µs for the rest
-    of its way out."""
-    return f"GREATEST({epoch_us(CLOCK)} - %(deadline)s, 0) + %(pad)s"
+    lateness past its deadline (%(deadline)s, µs since the epoch; none if NULL), and %(pad)s µs
+    for the rest of its way out."""
+    return f"COALESCE(GREATEST({epoch_us(CLOCK)} - %(deadline)s::bigint, 0), 0) + %(pad)s"
 
 
 @functools.cache

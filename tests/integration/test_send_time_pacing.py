@@ -309,3 +309,93 @@ def test_a_held_send_marked_later_than_its_release_allowed_moves_its_buckets_aft
     # Charged from its moment (80 ms after the start's clock, a few ms before the recorded start),
     # then moved on by the 40-odd ms the handler took beyond the slack.
     assert bucket_state("paced") - max(tat, call.started_at + 80 * MS) >= 206 * MS + 40 * MS - SEND_SLACK - 10 * MS
+
+
+# --- what an answer says, and the process's reading of the database clock -------------------------
+
+
+def run_http(url: str, key: str) -> CallQueue:
+    """Send an http call of the key, claim it once its turn is near (bounded) and run it."""
+    call = CallQueue.objects.send("http", {"method": "GET", "url": url}, keys=[key])
+    for _ in range(40):
+        claimed = claim_all(call.key_set).calls
+        if claimed:
+            break
+        time.sleep(0.05)
+    (one,) = claimed
+    assert execute(one.id, one.dispatch_no) == "done"
+    call.refresh_from_db()
+    return call
+
+
+def test_an_answer_later_than_the_keys_round_trips_moves_its_bucket_on(fake_api):
+    """The API may stamp a request late (an nginx whose process was busy): its answer then comes
+    late too. A held request whose answer takes longer than the key's least recent round trip,
+    by more than its guard lets it arrive late, moves its bucket on by the difference (while no
+    later start was charged on it); an answer on time moves nothing."""
+    edit.set_policy("answers", 5, timedelta(seconds=1), burst=1)
+    measured("answers", 20 * MS)
+    owing("answers")
+    for _ in range(4):  # the key's round trips, answered at once (the first opens the connection)
+        run_http(f"{fake_api.url}/ok", "answers")
+    before = bucket_state("answers")
+    call = run_http(f"{fake_api.url}/ok", "answers")
+    # Answered on time: charged one interval (206 ms) from its moment, nothing more.
+    assert bucket_state("answers") - max(before, call.started_at) <= 206 * MS
+    before = bucket_state("answers")
+    judged_moment = max(before, db_now())
+    run_http(f"{fake_api.url}/slow?delay=0.05", "answers")
+    # Its answer came ~50 ms later than the others': the API may have seen it that late, of
+    # which the guard (6 ms) covers some; the bucket moved on by the rest and a millisecond.
+    moved = bucket_state("answers") - max(before, judged_moment) - 206 * MS
+    assert moved >= 50 * MS - 6 * MS - 10 * MS
+
+
+def test_a_late_request_whose_move_comes_back_late_moves_again_before_it_goes():
+    """A move's own round trip can take longer than the pad it adds: the request then moves its
+    buckets on again from the state the first move left, rather than not going at all."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    tat = owing("paced")
+    call = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
+    (claimed,) = claim_all(call.key_set).calls
+    moves: list[timedelta] = []
+    real_move = ledger.move_on
+
+    def slow_first_move(moved, deadline, pad, using=None):
+        by = real_move(moved, deadline, pad, using=using)
+        moves.append(by)
+        if len(moves) == 1:
+            time.sleep(0.01)  # the first move's answer comes back 10 ms late: beyond its pad
+        return by
+
+    with mock.patch.object(ledger, "move_on", slow_first_move):
+        assert execute(claimed.id, claimed.dispatch_no) == "done"
+    assert len(moves) == 2 and all(by is not None for by in moves)
+    call.refresh_from_db()
+    judged = datetime.fromisoformat(call.result["judged"])
+    # Both moves are in the bucket: together at least the request's lateness past its moment.
+    total = bucket_state("paced") - (max(tat, judged + 80 * MS) + 206 * MS)
+    assert total == moves[0] + moves[1]
+    assert total >= datetime.fromisoformat(call.result["at"]) - max(tat, judged + 80 * MS) - SEND_SLACK
+
+
+def test_a_process_reads_the_database_clock_from_its_best_recent_start():
+    """Each start bounds where the database's clock stands on the process's own clock: between
+    just before and just after its query. A thread that runs again late after its query (a late
+    upper bound) is held on the best bound of the recent starts, not on its own."""
+    offsets = arrivals.Offsets()
+    base = time.monotonic()
+    clock = datetime(2026, 1, 1, 12, 0).astimezone()
+    # The database's clock read at `clock`, the process's at base (+ its offset, 0 here).
+    epoch = clock.timestamp() - base
+    offsets.note(base - 0.0005, base + 0.0004, clock)
+    late = clock + timedelta(seconds=1)
+    offsets.note(base + 1 - 0.0005, base + 1 + 0.006, late)  # back 6 ms late
+    assert abs(offsets.at(late, fallback=0.0) - (base + 1 + 0.0004)) < 1e-6
+    assert offsets.at(late, fallback=0.0) - epoch - late.timestamp() < 0.001
+    # A clock that stepped (a reading whose lower bound is past the best upper bound): what was
+    # kept is dropped, and the new reading stands alone.
+    stepped = late + timedelta(milliseconds=500)
+    offsets.note(base + 1.2, base + 1.2005, stepped)
+    assert abs(offsets.at(stepped, fallback=0.0) - (base + 1.2005)) < 1e-6
