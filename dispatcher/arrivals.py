@@ -174,34 +174,46 @@ class Offsets:
     those two less the database's time. Just after bounds it from above, late by however long
     the answer took to come back and the thread to run again (a descheduled thread: several ms).
     The least upper bound of the recent starts is the closest one that is still safe: a request
-    held to its moment on it leaves no sooner than its moment. A reading whose lower bound is
-    above that least one means a clock stepped: what was kept is dropped.
+    held to its moment on it leaves no sooner than its moment; it may leave later by as much as
+    that bound lies above the greatest lower bound (the spread: tens of µs once a process has
+    read the clock a few times, a whole round trip at its first start). A reading whose bounds
+    contradict those kept (a clock stepped, either way) drops them.
     """
 
     def __init__(self) -> None:
-        self._kept: deque[tuple[float, float]] = deque(maxlen=64)
+        self._kept: deque[tuple[float, float, float]] = deque(maxlen=64)
         self._lock = threading.Lock()
 
     def note(self, before: float | None, after: float | None, clock: datetime) -> None:
         if before is None or after is None:
             return
         epoch = clock.timestamp()
+        upper, lower = after - epoch, before - epoch
         with self._lock:
-            if self._kept and before - epoch > min(upper for _, upper in self._kept):
-                self._kept.clear()
-            self._kept.append((after, after - epoch))
+            if self._kept and (
+                lower > min(kept for _, kept, _ in self._kept) or upper < max(kept for _, _, kept in self._kept)
+            ):
+                self._kept.clear()  # the readings contradict each other: a clock stepped
+            self._kept.append((after, upper, lower))
 
-    def at(self, clock: datetime, fallback: float) -> float:
-        """Return the database time ``clock`` on this process's monotonic clock (``fallback``:
-        nothing read lately)."""
+    def at(self, clock: datetime, fallback: float) -> tuple[float, float]:
+        """Return the database time ``clock`` on this process's monotonic clock, at the latest,
+        and how much earlier it may be (``fallback`` and 0: nothing read lately)."""
         with self._lock:
             while self._kept and self._kept[0][0] < time.monotonic() - OFFSET_WINDOW:
                 self._kept.popleft()
-            least = min((upper for _, upper in self._kept), default=None)
-        return fallback if least is None else clock.timestamp() + least
+            if not self._kept:
+                return fallback, 0.0
+            least = min(upper for _, upper, _ in self._kept)
+            greatest = max(lower for _, _, lower in self._kept)
+        return clock.timestamp() + least, max(least - greatest, 0.0)
 
 
 _offsets = Offsets()
+# How much of a reading's spread a held request's guard takes in without counting it as lateness:
+# more than the 0.3-0.5 ms of a loaded machine's clock reading, well within the network's part
+# of a guard (TokenBucket.HELD_NET_FLOOR).
+SPREAD_FREE = timedelta(milliseconds=1)
 
 
 def overdue(noted: Noted | None, sent: Sent) -> dict[str, tuple[list[timedelta], timedelta]]:
@@ -393,12 +405,16 @@ def begin(
         # The start's clock on this process's clock (at the latest just after the start read it):
         # the request then leaves no sooner than the start's clock plus the hold, on the
         # database's time, the moment its buckets judged.
-        after = _offsets.at(noted.now, run.clock_after if run.clock_after is not None else time.monotonic())
+        after, spread = _offsets.at(noted.now, run.clock_after if run.clock_after is not None else time.monotonic())
         after += moved.total_seconds()
         run.hold_until = after + max(noted.holds.values()).total_seconds()
+        # A request may leave as much as the spread of that reading later than it counts: its
+        # buckets allow it that much less, past what the network's part of the guard takes in
+        # (SPREAD_FREE: the spread of a process that has read the clock a few times).
+        late = max(timedelta(seconds=spread) - SPREAD_FREE, timedelta(0))
         run.held = Held(
-            after, noted.now + moved, {key: noted.allowed[key] for key in noted.holds},
-            {key: (noted.reach or {}).get(key, noted.allowed[key]) for key in noted.holds},
+            after, noted.now + moved, {key: noted.allowed[key] - late for key in noted.holds},
+            {key: (noted.reach or {}).get(key, noted.allowed[key]) - late for key in noted.holds},
             {key: (buckets or {}).get(key, []) for key in noted.holds}, move_on,
         )
     return run.clock_read, noted

@@ -226,9 +226,9 @@ class TokenBucket(Policy):
 
     GUARD_RATE_SHARE: ClassVar[Fraction] = Fraction(1, 20)
     # A held bucket whose guard no token can hold back (a smooth rate) gives it at most this share
-    # of its rate, the network's part cut to fit (docs/policies.md, send-time pacing): 3%, so
+    # of its rate, the network's part cut to fit (docs/policies.md, send-time pacing): 2%, so
     # that what a smooth rate loses besides (late requests moving it on) stays under 5%...
-    HELD_RATE_SHARE: ClassVar[Fraction] = Fraction(3, 100)
+    HELD_RATE_SHARE: ClassVar[Fraction] = Fraction(2, 100)
     # ...but never less than this for the network: an API on a busy host stamps a request a few
     # milliseconds late at times (nginx behind a loaded 2-core machine: up to 4-6 ms, 429s with
     # requests paced exactly 51.5 ms apart for 20 per second; docs/performance.md).

@@ -60,11 +60,11 @@ def sent_after_judged(call: CallQueue) -> timedelta:
 
 
 @pytest.mark.parametrize(("limit", "configured", "net", "guard"), [
-    # A smooth rate gives its guard at most 3% of its interval, the network's part never under 5 ms.
-    (20, 20 * MS, 5 * MS, 6 * MS),     # 3% of 50 ms is 1.5 ms: the floor
-    (5, 20 * MS, 5 * MS, 6 * MS),      # 3% of 200 ms is 6 ms, 1 of it the slack
-    (2, 20 * MS, 14 * MS, 15 * MS),    # 3% of 500 ms is 15 ms
-    (1, 20 * MS, 20 * MS, 21 * MS),    # 21 ms fits in 3% of a second: the configured guard whole
+    # A smooth rate gives its guard at most 2% of its interval, the network's part never under 5 ms.
+    (20, 20 * MS, 5 * MS, 6 * MS),     # 2% of 50 ms is 1 ms: the floor
+    (5, 20 * MS, 5 * MS, 6 * MS),      # 2% of 200 ms is 4 ms: the floor
+    (2, 20 * MS, 9 * MS, 10 * MS),     # 2% of 500 ms is 10 ms, 1 of it the slack
+    (1, 20 * MS, 19 * MS, 20 * MS),    # 2% of a second is 20 ms
     (20, 2 * MS, 2 * MS, 3 * MS),      # a configured guard under the floor is kept
 ])
 def test_a_smooth_rate_gives_its_guard_a_share_of_its_rate_and_the_network_at_least_the_floor(limit, configured, net, guard):
@@ -390,12 +390,21 @@ def test_a_process_reads_the_database_clock_from_its_best_recent_start():
     # The database's clock read at `clock`, the process's at base (+ its offset, 0 here).
     epoch = clock.timestamp() - base
     offsets.note(base - 0.0005, base + 0.0004, clock)
+    # One reading: at the latest 0.4 ms after, and as much as its whole round trip (0.9 ms) earlier.
+    at, spread = offsets.at(clock, fallback=0.0)
+    assert abs(at - (base + 0.0004)) < 1e-6 and abs(spread - 0.0009) < 1e-6
     late = clock + timedelta(seconds=1)
-    offsets.note(base + 1 - 0.0005, base + 1 + 0.006, late)  # back 6 ms late
-    assert abs(offsets.at(late, fallback=0.0) - (base + 1 + 0.0004)) < 1e-6
-    assert offsets.at(late, fallback=0.0) - epoch - late.timestamp() < 0.001
-    # A clock that stepped (a reading whose lower bound is past the best upper bound): what was
-    # kept is dropped, and the new reading stands alone.
+    offsets.note(base + 1 - 0.0002, base + 1 + 0.006, late)  # back 6 ms late
+    at, spread = offsets.at(late, fallback=0.0)
+    assert abs(at - (base + 1 + 0.0004)) < 1e-6
+    assert at - epoch - late.timestamp() < 0.001
+    # The best bounds of both readings: 0.2 ms before to 0.4 ms after.
+    assert abs(spread - 0.0006) < 1e-6
+    # A clock that stepped (here the database's, 300 ms on): the new reading contradicts those
+    # kept, which are dropped, and it stands alone.
     stepped = late + timedelta(milliseconds=500)
     offsets.note(base + 1.2, base + 1.2005, stepped)
-    assert abs(offsets.at(stepped, fallback=0.0) - (base + 1.2005)) < 1e-6
+    at, spread = offsets.at(stepped, fallback=0.0)
+    assert abs(at - (base + 1.2005)) < 1e-6 and abs(spread - 0.0005) < 1e-6
+    assert offsets.at(stepped, fallback=7.0) != (7.0, 0.0)
+    assert arrivals.Offsets().at(stepped, fallback=7.0) == (7.0, 0.0)
