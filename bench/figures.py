@@ -17,7 +17,7 @@ from bench.console import console
 from bench.cpu import Meter
 from bench.fairness import fair_shares
 from bench.hotkey import hot_key
-from bench.pacing import paced_at_the_api
+from bench.pacing import paced_at_the_api, paced_bound
 from bench.support import (
     Broker,
     Figure,
@@ -1132,4 +1132,5 @@ ALL = {
 # Run only when named with --only: experiments, not figures of the product.
 EXPERIMENTS = {
     "http_threads_helper": http_threads_helper,
+    "pacer_bound": paced_bound,
 }

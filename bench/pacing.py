@@ -128,3 +128,65 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
             {**f, "load_before": load_before},
         ))
     return rows
+
+
+# The bound: a single process holding its requests exactly `interval + guard` apart (sleeping to
+# each moment on its own clock, one kept-alive connection), with no database, broker or worker
+# in the way, against the same nginx zone of 20 per second on the same loaded machine. What it
+# needs to meet no 429 is what nginx's own stamping (its process scheduled late on a busy host)
+# asks of any pacer; its use at that guard is the most any pacer gets there.
+PACER_GUARDS_MS = (0, 1, 2, 3, 5, 8)
+PACER_REQUESTS = 200
+
+
+def paced_bound(ctx: Any) -> list[Figure]:
+    """The rows: per guard, the 429s a near-perfect pacer meets at 20 per second behind nginx."""
+    import httpx
+
+    from support import nginx
+    from support.fakeapi import FakeAPI
+    from support.nginx import Nginx
+    from support.paced import load
+
+    if not nginx.available():
+        return [Figure("pacer bound behind nginx", "skipped: no nginx (make bench-deps)", "", "", None)]
+    api = FakeAPI().start()
+    server = Nginx(api.url, {"r20": 20}).start()
+    procs = ctx.processes()
+    rows: list[Figure] = []
+    # BENCH_PACER_LOAD: how many cores busy loops keep busy meanwhile (1, as the pacing rows; 2:
+    # the whole machine, as when the pacing rows' own workers, database and dispensers run too).
+    loops = int(os.environ.get("BENCH_PACER_LOAD", "1"))
+    try:
+        for _ in range(loops):
+            load(procs, 30 + len(PACER_GUARDS_MS) * PACER_REQUESTS * 0.06)
+        with httpx.Client(timeout=5) as client:
+            for guard_ms in PACER_GUARDS_MS:
+                time.sleep(1.2)  # nginx's zone forgets the requests before
+                spacing = 1 / 20 + guard_ms / 1000
+                start = time.monotonic() + 0.1
+                codes, late = [], []
+                for i in range(PACER_REQUESTS):
+                    moment = start + i * spacing
+                    wait = moment - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    late.append((time.monotonic() - moment) * 1000)
+                    codes.append(client.get(f"{server.url}/r20/{guard_ms}-{i}").status_code)
+                late.sort()
+                refused = codes.count(429)
+                rows.append(Figure(
+                    f"pacer bound: requests {guard_ms} ms over 50 ms apart, one process, behind nginx 20/s"
+                    f" ({loops} core{'s' if loops > 1 else ''} kept busy)",
+                    f"{refused} 429s ({PACER_REQUESTS} requests), at most {50 / (50 + guard_ms):.1%} of nginx's capacity",
+                    "-",
+                    f"the pacer's own lateness: p50 {late[len(late) // 2]:.2f} ms, p99 {late[int(len(late) * 0.99)]:.2f} ms,"
+                    f" max {late[-1]:.2f} ms",
+                    None,
+                    {"guard_ms": guard_ms, "refused": refused, "late_p99_ms": late[int(len(late) * 0.99)]},
+                ))
+    finally:
+        procs.stop_all()
+        server.stop()
+        api.stop()
+    return rows
