@@ -69,10 +69,10 @@ class Noted(NamedTuple):
 
 # Per key, its buckets: (period, the state its start left it in, µs).
 Buckets = dict[str, list[tuple[timedelta, int]]]
-# Moves a late request's buckets on (``ledger.move_on``: the buckets, the deadline on the
-# database's clock or None, the pad; how far they moved or None): the worker gives it, as this
-# module loads with the package, before any model may be defined.
-MoveOn = Callable[[Buckets, "datetime | None", timedelta], "timedelta | None"]
+# Moves a late request's buckets on (``ledger.move_on``: the buckets, the start's token, the
+# deadline on the database's clock or None, the pad; how far past their states they stand, or
+# None): the worker gives it, as this module loads with the package, before any model may be defined.
+MoveOn = Callable[[Buckets, int, "datetime | None", timedelta], "timedelta | None"]
 
 
 class Held(NamedTuple):
@@ -86,6 +86,7 @@ class Held(NamedTuple):
     allowed: dict[str, timedelta]
     reach: dict[str, timedelta]
     buckets: Buckets
+    start: int
     move_on: MoveOn
 
 
@@ -267,7 +268,8 @@ def hold(run: Any) -> None:
 
 def release(held: Held) -> dict[str, timedelta]:
     """Let a held request go out, moving its buckets on first if it is later than they allow
-    (return how far, per key moved); raise ``SendMissed`` if it may not go: a later start was
+    (return how far past their start's states they stand, per key moved); raise ``SendMissed``
+    if it may not go: a later start was
     charged on them meanwhile, the move failed, the request would go out later than the move
     allows for, or past GUARD_MAX after its start (a bucket's refund replays no start later)."""
     elapsed = timedelta(seconds=time.monotonic() - held.after)
@@ -280,17 +282,16 @@ def release(held: Held) -> dict[str, timedelta]:
     states = {key: held.buckets.get(key, []) for key in keys}
     by = timedelta(0)
     for _ in range(MOVES):
-        # Each move from the state the one before left, by what is still late when it is made.
+        # Each move as far as the request is late when it is made (never back).
         try:
-            more = held.move_on(states, held.clock + allowed + by, MOVE_PAD)
+            stands = held.move_on(states, held.start, held.clock + allowed, MOVE_PAD)
         except DatabaseError as exc:
             raise SendMissed(f"its buckets could not be moved on: {exc!r}") from None
-        if more is None:
+        if stands is None:
             raise SendMissed(f"{(elapsed - allowed).total_seconds() * 1000:.1f} ms late, after a later start")
-        by += more
+        by = stands
         if timedelta(seconds=time.monotonic() - held.after) <= allowed + by:
-            return {key: by + allowed - held.allowed[key] for key in keys}
-        states = {key: [(period, tat + more // timedelta(microseconds=1)) for period, tat in found] for key, found in states.items()}
+            return dict.fromkeys(keys, by)
     raise SendMissed(f"later than its buckets were moved on for, {MOVES} times ({by.total_seconds() * 1000:.1f} ms)")
 
 
@@ -339,18 +340,16 @@ def answered() -> None:
     # The latest the API may have seen it, after the start's clock: when it went out, and how
     # much longer than the least its answer took.
     seen = timedelta(seconds=sent - held.after + took - least)
-    over = {key: seen - reach - moved.get(key, timedelta(0)) for key, reach in held.reach.items()}
-    over = {key: by for key, by in over.items() if by > timedelta(0)}
+    over = {
+        key: seen - reach for key, reach in held.reach.items() if seen - reach > moved.get(key, timedelta(0))
+    }
     if not over:
         return
-    states = {
-        key: [(period, tat + moved.get(key, timedelta(0)) // timedelta(microseconds=1)) for period, tat in held.buckets.get(key, [])]
-        for key in over
-    }
     by = max(over.values()) + ANSWER_PAD
     with contextlib.suppress(DatabaseError):
-        if held.move_on(states, None, by) is not None:
-            run.held_moved = {**moved, **{key: moved.get(key, timedelta(0)) + by for key in over}}
+        stands = held.move_on({key: held.buckets.get(key, []) for key in over}, held.start, None, by)
+        if stands is not None:
+            run.held_moved = {**moved, **dict.fromkeys(over, stands)}
 
 
 def mark_sent() -> None:
@@ -390,13 +389,13 @@ def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> No
 
 def begin(
     keys: list[str] | None = None, buckets: Buckets | None = None, moved: timedelta = timedelta(0),
-    move_on: MoveOn | None = None,
+    move_on: MoveOn | None = None, start: int = 0,
 ) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
     (for its ``keys`` only, when given); set until when its request is held, and what its
     ``release`` needs: the states its start left its ``buckets`` in, how far a late request had
     moved them on since its start read them (``moved``: its request goes out that much later),
-    and ``move_on``."""
+    ``move_on`` and the start's token."""
     run = here()
     run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
     # A group's start noted all its calls' keys: this call's only.
@@ -415,7 +414,7 @@ def begin(
         run.held = Held(
             after, noted.now + moved, {key: noted.allowed[key] - late for key in noted.holds},
             {key: (noted.reach or {}).get(key, noted.allowed[key]) - late for key in noted.holds},
-            {key: (buckets or {}).get(key, []) for key in noted.holds}, move_on,
+            {key: (buckets or {}).get(key, []) for key in noted.holds}, start, move_on,
         )
     return run.clock_read, noted
 

@@ -213,6 +213,10 @@ class KeyBucket(models.Model):
     period = models.DurationField(help_text="The period of the bucket's policy.")
     tat_us = models.BigIntegerField(help_text="When the bucket is full again, microseconds since the epoch.")
     since = models.DateTimeField(help_text="The first start this state counts; a cost correction of an earlier start leaves it.")
+    start = models.BigIntegerField(
+        null=True, blank=True,
+        help_text="The start that charged it last (a token): a late request moves it on only while it stands.",
+    )
 
     class Meta:
         db_table = "dispatcher_keybucket"

@@ -116,7 +116,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on)
+    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -208,12 +208,12 @@ def _checked() -> Iterator[None]:
         _set_checked(True)
 
 
-def _move_on(moved: arrivals.Buckets, deadline: datetime | None, pad: timedelta) -> timedelta | None:
+def _move_on(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad: timedelta) -> timedelta | None:
     """Move a late held request's buckets on (``ledger.move_on``) from inside its handler, as our
     own statement: without the health check a handler's first query gets (``_checked``)."""
     _set_checked(True)
     try:
-        return ledger.move_on(moved, deadline, pad, using=CallQueue.objects.db)
+        return ledger.move_on(moved, start, deadline, pad, using=CallQueue.objects.db)
     finally:
         _set_checked(False)
 
@@ -288,6 +288,7 @@ class Run:
     noted: Any = None
     buckets: dict[str, list[tuple[timedelta, int]]] | None = None
     moved: timedelta = timedelta(0)
+    start: int = 0
 
 
 # Most handlers of one message that run at once; the next starts as one returns.
@@ -322,7 +323,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
             if one.state == StartState.STARTED:
                 assert one.call is not None and one.attempt is not None
-                runs.append(Run(one.call, one.attempt, one.capped, noted, one.buckets, one.moved))
+                runs.append(Run(one.call, one.attempt, one.capped, noted, one.buckets, one.moved, one.start))
                 log.debug("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
             elif one.state == StartState.EARLY:
                 early.append(((call_id, dispatch_no), one.wait))
@@ -463,7 +464,7 @@ def _call_handler_in_pool(run: Run) -> Ran:
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on)
+    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start)
     try:
         outcome = _call_handler(run.call)
         return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class Started:
     # a late request of before had moved them on since the start read them (its hold is longer).
     buckets: dict[str, list[tuple[timedelta, int]]] = field(default_factory=dict)
     moved: timedelta = timedelta(0)
+    # The start's token, which its buckets keep until a later start charges them.
+    start: int = 0
 
 
 class _GroupRaced(Exception):
@@ -216,7 +219,8 @@ def _start_group(
             ledger.adjust(one.keys, reserved=-1, units=one.costs, using=db)
             results[one.index] = Started(StartState.DEFERRED, reason=f"{verdict.key}: {verdict.reason}")
         if admitted:
-            started = _mark_running(manager, admitted, now, worker, group, folded)
+            token = secrets.randbits(62)
+            started = _mark_running(manager, admitted, now, worker, group, folded, token)
             if len(started) < len(admitted):
                 raise _GroupRaced  # rolls back the whole group
             for one, _, capped in admitted:
@@ -224,7 +228,7 @@ def _start_group(
                 results[one.index] = Started(
                     StartState.STARTED, call=call, attempt=attempt, capped=capped,
                     buckets={key: found for key in one.keys if (found := buckets.get(key))},
-                    moved=max((moved.get(key, timedelta(0)) for key in one.keys), default=timedelta(0)),
+                    moved=max((moved.get(key, timedelta(0)) for key in one.keys), default=timedelta(0)), start=token,
                 )
     return results
 
@@ -236,20 +240,20 @@ Marked = tuple["CallQueue", "Attempt", dict[str, list[tuple[timedelta, int]]], d
 
 def _mark_running(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
-    group: gate.Group, folded: Folded | None,
+    group: gate.Group, folded: Folded | None, token: int,
 ) -> dict[int, Marked]:
     """Mark the admitted calls running (at ``now``, or on PostgreSQL at the statement's own clock,
     never earlier), open their attempts, write their start logs,
     the buckets' last states and each key's counters; fewer calls returned than admitted: one
     was no longer its delivery's (and, on PostgreSQL, nothing was written)."""
     if schema.postgresql_path(manager.db):
-        return _mark_running_postgresql(manager, admitted, now, worker, group, folded)
-    return _mark_running_portable(manager, admitted, now, worker)
+        return _mark_running_postgresql(manager, admitted, now, worker, group, folded, token)
+    return _mark_running_portable(manager, admitted, now, worker, token)
 
 
 def _mark_running_postgresql(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
-    group: gate.Group, folded: Folded | None,
+    group: gate.Group, folded: Folded | None, token: int,
 ) -> dict[int, Marked]:
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
     log = [(key, units, cum, one.call_id) for one, record, _ in admitted for key, units, cum in record.log]
@@ -273,7 +277,7 @@ def _mark_running_postgresql(
         "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
         "b_tats": list(buckets.values()),
         "b_charged": [charged[bucket] for bucket in buckets],
-        "b_read": [group.read_tats.get(bucket) for bucket in buckets],
+        "b_read": [group.read_tats.get(bucket) for bucket in buckets], "b_start": token,
         "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
         "c_totals": [group.states[key].total for key in moved],
     }
@@ -304,6 +308,7 @@ def _mark_running_postgresql(
 
 def _mark_running_portable(
     manager: CallQueueManager, admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
+    token: int,
 ) -> dict[int, Marked]:
     """The same through the ORM, call by call (in the group's transaction): the guarded update,
     the call read back, its attempt, the start log and buckets, the counters. No late request
@@ -320,7 +325,7 @@ def _mark_running_portable(
         attempt = attempts(manager).create(
             call=call, number=call.attempts + call.deferrals, started_at=now, worker=worker
         )
-        ledger.record_starts(now, record, one.call_id, using=manager.db)
+        ledger.record_starts(now, record, one.call_id, using=manager.db, start=token)
         ledger.adjust(
             one.keys, reserved=-1, units={key: units for key, units, _ in record.log},
             totals={key: cum for key, _, cum in record.log}, using=manager.db,

@@ -22,16 +22,19 @@ if TYPE_CHECKING:
     from dispatcher.limits.gate import StartRecord
 
 
-def record_starts(at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None) -> None:
-    """Append a start's rows to the log and write its buckets (the ORM's path; totals move in ``adjust``)."""
+def record_starts(
+    at: datetime, record: StartRecord, call_id: int | None = None, using: str | None = None, start: int | None = None
+) -> None:
+    """Append a start's rows to the log and write its buckets, with the start's token (the ORM's
+    path; totals move in ``adjust``)."""
     db = alias(using)
     tables.StartLog.objects.using(db).bulk_create(
         [tables.StartLog(key=k, started_at=at, units=u, cum=c, call_id=call_id) for k, u, c in record.log]
     )
     if record.buckets:
         tables.KeyBucket.objects.using(db).bulk_create(
-            [tables.KeyBucket(key=k, period=p, tat_us=t, since=at) for k, p, t in record.buckets],
-            update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us"],
+            [tables.KeyBucket(key=k, period=p, tat_us=t, since=at, start=start) for k, p, t in record.buckets],
+            update_conflicts=True, unique_fields=["key", "period"], update_fields=["tat_us", "start"],
         )
 
 
@@ -170,23 +173,25 @@ def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], u
 
 
 def move_on(
-    moved: Mapping[str, Sequence[tuple[timedelta, int]]], deadline: datetime | None, pad: timedelta,
+    moved: Mapping[str, Sequence[tuple[timedelta, int]]], start: int, deadline: datetime | None, pad: timedelta,
     using: str | None = None,
 ) -> timedelta | None:
     """Move the buckets of held keys (per key: each bucket's period and the state its start left
     it in, µs) on, for a request that goes out later than they allowed (its ``deadline``, on the
-    database's clock): by its lateness when the move is made, plus ``pad`` for the rest of its
-    way out (by ``pad`` alone without a deadline: an answer that says the API saw the request
-    late, ``arrivals.answered``). Return how far they moved, or None if they did not.
+    database's clock): to that state plus its lateness when the move is made and ``pad`` for
+    the rest of its way out (plus ``pad`` alone without a deadline: an answer that says the API
+    saw the request late, ``arrivals.answered``), never back. Return how far past that state the
+    buckets stand (the first's), or None if they did not move.
 
-    Only while each bucket still holds that state: a later start charged on it was judged on it
-    as it was, and its request may already be on its way. A start judged before the move and
-    written after it carries the move and holds its request that much longer
-    (``call_sql._start_writes``). All or none. On PostgreSQL one statement that locks the bucket
-    rows alone (a start waiting for its slot holds its keys' locks), its commit not waiting for
-    the disk: the request waits for it (a durable commit took 4-7 ms on a loaded machine). Other
-    transactions see it at once; a database crash right after may forget it, with the request
-    it was for.
+    Only while each bucket still holds the token of the request's ``start``: a later start
+    charged on it was judged on it as it was, and its request may already be on its way. The
+    requests of one start (a message's calls, a burst) each move it as far as they need: the
+    latest wins. A start judged before the move and written after it carries the move and holds
+    its request that much longer (``call_sql._start_writes``). All or none. On PostgreSQL one
+    statement that locks the bucket rows alone (a start waiting for its slot holds its keys'
+    locks), its commit not waiting for the disk: the request waits for it (a durable commit took
+    4-7 ms on a loaded machine). Other transactions see it at once; a database crash right after
+    may forget it, with the request it was for.
     """
     rows = [(key, period, tat) for key in sorted(moved) for period, tat in sorted(moved[key])]
     if not rows:
@@ -204,7 +209,7 @@ def move_on(
         else:
             statement = limit_sql.move_on()
             params = {"keys": [r[0] for r in rows], "periods": [r[1] for r in rows], "tats": [r[2] for r in rows]}
-        params.update(deadline=deadline_us, pad=pad_us)
+        params.update(start=start, deadline=deadline_us, pad=pad_us)
         with connection.cursor() as cursor:
             if can_fold(db):
                 cursor.execute(f"BEGIN; SET LOCAL synchronous_commit = off; {statement}; COMMIT", params)
@@ -217,13 +222,17 @@ def move_on(
     buckets = tables.KeyBucket.objects.using(db)
     # SQLite's write lock, taken as the transaction begins (IMMEDIATE), keeps starts out meanwhile.
     with transaction.atomic(using=db):
-        for key, period, tat in rows:
-            if not buckets.filter(key=key, period=period, tat_us=tat).exists():
-                return None
-        by = (0 if deadline_us is None else max(to_us(db_now(db)) - deadline_us, 0)) + pad_us
         for key, period, _ in rows:
-            buckets.filter(key=key, period=period).update(tat_us=models.F("tat_us") + by)
-    return timedelta(microseconds=by)
+            if not buckets.filter(key=key, period=period, start=start).exists():
+                return None
+        late = 0 if deadline_us is None else max(to_us(db_now(db)) - deadline_us, 0)
+        stands: list[int] = []
+        for key, period, tat in rows:
+            current = buckets.filter(key=key, period=period).values_list("tat_us", flat=True).get()
+            target = max(current, tat + late + pad_us)
+            buckets.filter(key=key, period=period).update(tat_us=target)
+            stands.append(target - tat)
+    return timedelta(microseconds=stands[0])
 
 
 def pause(keys: Sequence[str], until: datetime, reason: str = "", using: str | None = None) -> None:

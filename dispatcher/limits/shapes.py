@@ -233,6 +233,10 @@ class TokenBucket(Policy):
     # milliseconds late at times (nginx behind a loaded 2-core machine: up to 4-6 ms, 429s with
     # requests paced exactly 51.5 ms apart for 20 per second; docs/performance.md).
     HELD_NET_FLOOR: ClassVar[timedelta] = timedelta(milliseconds=5)
+    # How late a held request of a bucket whose guard its burst holds back may go out: the
+    # requests of a burst go out together from several workers, where a late one could move the
+    # bucket on only as the last start charged on it (a few ms apart, they missed their sends).
+    HELD_BURST_SLACK: ClassVar[timedelta] = timedelta(milliseconds=20)
 
     @property
     def reserve(self) -> int:
@@ -244,6 +248,10 @@ class TokenBucket(Policy):
         if k + 1 <= self.burst - 1 and self._extra(k) > self.GUARD_RATE_SHARE * t:
             k += 1
         return k
+
+    def _costs_rate(self) -> bool:
+        """Whether the guard lengthens the interval (by a microsecond or more)."""
+        return self._extra(self.reserve) >= 1
 
     def _extra(self, k: int) -> Fraction:
         return max(Fraction(0), (Fraction(_us(self.guard)) - k * self._interval_exact) / (1 + k))
@@ -276,25 +284,34 @@ class TokenBucket(Policy):
         """Return the policy for starts whose requests are held ``hold`` after them: its guard
         covers the network (``net``) and the ``slack`` a request may go out after its moment.
 
-        A guard the burst holds back in whole tokens costs no rate: it then covers all that those
-        tokens absorb (``k`` intervals), so a late request has all of it. A guard that slows the
-        rate (a smooth rate: no token to hold back) costs at most HELD_RATE_SHARE of it: the
-        network's part is cut to fit (never below HELD_NET_FLOOR), the slack kept.
+        A guard the burst holds back in whole tokens costs no rate (one more token is held back
+        where that covers it all): a request may then go out HELD_BURST_SLACK late, as far as the
+        tokens held back cover, as a burst's requests go out together from several workers. A
+        guard that slows the rate (a smooth rate: no token to hold back) costs at most
+        HELD_RATE_SHARE of it: the network's part is cut to fit (never below HELD_NET_FLOOR).
         """
         held = type(self)(**{**self.__dict__, "guard": net + slack, "hold": hold, "net": net})
-        if held._extra(held.reserve) <= 0 < held.reserve:
-            free = _floor_td(held.reserve * self._interval_exact)
-            return type(self)(**{**held.__dict__, "guard": max(free, net + slack)})
-        budget = _floor_td(self.HELD_RATE_SHARE * self._interval_exact)
-        if held._extra(held.reserve) > Fraction(_us(budget)) and net + slack > budget:
+        k, budget = held.reserve, _floor_td(self.HELD_RATE_SHARE * self._interval_exact)
+        if (
+            held._extra(k) > Fraction(_us(budget)) and k + 1 <= self.burst - 1
+            and (k + 1) * self._interval_exact >= _us(held.guard)
+        ):
+            # One more token held back covers the whole guard: no rate lost to it.
+            held = type(self)(**{**held.__dict__, "guard": _ceil_us((k + 1) * self._interval_exact)})
+        if held._costs_rate() and held._extra(held.reserve) > Fraction(_us(budget)) and net + slack > budget:
             net = min(net, max(budget - slack, self.HELD_NET_FLOOR))
             held = type(self)(**{**held.__dict__, "guard": net + slack, "net": net})
+        if not held._costs_rate() and held.reserve > 0:
+            covered = _floor_td(held.reserve * self._interval_exact)
+            wider = type(self)(**{**held.__dict__, "guard": max(held.guard, min(net + self.HELD_BURST_SLACK, covered))})
+            if wider.reserve == held.reserve and not wider._costs_rate():
+                return wider
         return held
 
     @property
     def lateness(self) -> timedelta:
         """How late after its send moment a held request may go out: what the guard covers beyond
-        the network's part (at least the slack; for a bucket that holds tokens back, what they absorb)."""
+        the network's part (the slack)."""
         return max(self.guard - self.net, timedelta(0))
 
     def tokens(self, reading: Reading, now: datetime) -> Fraction:

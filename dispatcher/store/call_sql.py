@@ -241,7 +241,8 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
     max(tat, judged clock)), TokenBucket.charge's max. A bucket a late request moved on since the
     start read it (%(b_read)s: its state then; ``ledger.move_on``) carries the move on top, and
     ``moved_buckets`` returns it (the bucket's place in %(b_keys)s, its state, the move), so the
-    start holds its request that much longer.
+    start holds its request that much longer. Each bucket keeps the start's token (%(b_start)s):
+    a late request of the start moves it on only while it stands.
     """
     c = functools.partial(column, "CallQueue")
     attempt_columns, attempt_values = insert_clause("Attempt", {
@@ -253,7 +254,7 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
     })
     judged = f"GREATEST(b.tat_us, {epoch_us('clock.now')} + b.charged_us)"
     bucket_columns, bucket_values = insert_clause("KeyBucket", {
-        "key": "b.key", "period": "b.period", "tat_us": judged, "since": "clock.now",
+        "key": "b.key", "period": "b.period", "tat_us": judged, "since": "clock.now", "start": "%(b_start)s",
     })
     tat, key, period = column("KeyBucket", "tat_us"), column("KeyBucket", "key"), column("KeyBucket", "period")
     buckets = (
@@ -271,7 +272,8 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
             INSERT INTO {table('StartLog')} ({log_columns})
             SELECT {log_values} FROM {gate}, clock, {_START_LOG} WHERE {condition}
         ), moved_buckets AS (
-            UPDATE {table('KeyBucket')} AS kb SET {tat} = {judged} + GREATEST(kb.{tat} - b.read_us, 0)
+            UPDATE {table('KeyBucket')} AS kb
+            SET {tat} = {judged} + GREATEST(kb.{tat} - b.read_us, 0), {column('KeyBucket', 'start')} = %(b_start)s
             FROM {gate}, clock, {buckets}
             WHERE {condition} AND kb.{key} = b.key AND kb.{period} = b.period
             RETURNING b.n, kb.{tat} AS tat_us, kb.{tat} - {judged} AS moved_us

@@ -130,47 +130,52 @@ def remember_send_delay() -> str:
     """
 
 
-def _moved_by() -> str:
-    """How far a late request moves its buckets on, read at the move on the database's clock: its
-    lateness past its deadline (%(deadline)s, µs since the epoch; none if NULL), and %(pad)s µs
-    for the rest of its way out."""
-    return f"COALESCE(GREATEST({epoch_us(CLOCK)} - %(deadline)s::bigint, 0), 0) + %(pad)s"
+def _moved_to(state: str) -> str:
+    """Where a late request moves a bucket on to, read at the move on the database's clock: the
+    state its start left (``state``) and the request's lateness past its deadline (%(deadline)s,
+    µs since the epoch; none if NULL), and %(pad)s µs for the rest of its way out."""
+    return f"{state} + COALESCE(GREATEST({epoch_us(CLOCK)} - %(deadline)s::bigint, 0), 0) + %(pad)s"
 
 
 @functools.cache
 def move_on_one() -> str:
-    """Move one bucket (%(key)s, %(period)s) on for a held request that goes out late, if it is
-    still in the state its start left it in (%(tat)s: no later start was charged on it since);
-    a row back, with how far it moved, if it did."""
+    """Move one bucket (%(key)s, %(period)s) on as ``move_on`` does several: from the state its
+    start left it in (%(tat)s), while it holds the start's token (%(start)s); a row back, with how
+    far past that state it now stands, if it did."""
     key, period, tat = column("KeyBucket", "key"), column("KeyBucket", "period"), column("KeyBucket", "tat_us")
     return (
-        f"UPDATE {table('KeyBucket')} SET {tat} = {tat} + {_moved_by()}"
-        f" WHERE {key} = %(key)s AND {period} = %(period)s AND {tat} = %(tat)s RETURNING {tat} - %(tat)s"
+        f"UPDATE {table('KeyBucket')} SET {tat} = GREATEST({tat}, {_moved_to('%(tat)s::bigint')})"
+        f" WHERE {key} = %(key)s AND {period} = %(period)s AND {column('KeyBucket', 'start')} = %(start)s"
+        f" RETURNING {tat} - %(tat)s::bigint"
     )
 
 
 @functools.cache
 def move_on() -> str:
-    """Move several buckets on as ``move_on_one`` does one, all or none (%(keys)s, %(periods)s,
-    %(tats)s). The rows are locked first, in key order, and a locked row is read as committed
-    after the wait. A row back, with how far they moved (NULL: they did not)."""
+    """Move buckets on for a held request that goes out late, as far as it needs them (never back:
+    a request of the same start may have moved them further), while each still holds the start's
+    token (%(start)s: no later start was charged on it since): the buckets %(keys)s, %(periods)s
+    and the states the start left them in, %(tats)s. The rows are locked first, in key order,
+    and a locked row is read as committed after the wait. All or none; a row back, with how far
+    past the start's state the first bucket now stands, if they moved (NULL: they did not)."""
     key, period, tat = column("KeyBucket", "key"), column("KeyBucket", "period"), column("KeyBucket", "tat_us")
-    bucket = table("KeyBucket")
+    start, bucket = column("KeyBucket", "start"), table("KeyBucket")
     return f"""
         WITH e AS (
-            SELECT * FROM unnest(%(keys)s::text[], %(periods)s::interval[], %(tats)s::bigint[]) AS e(key, period, tat_us)
+            SELECT * FROM unnest(%(keys)s::text[], %(periods)s::interval[], %(tats)s::bigint[])
+                WITH ORDINALITY AS e(key, period, tat_us, n)
         ), locked AS (
-            SELECT kb.{key} AS key, kb.{period} AS period, kb.{tat} AS tat_us FROM {bucket} AS kb
+            SELECT kb.{key} AS key, kb.{period} AS period, kb.{start} AS start FROM {bucket} AS kb
             JOIN e ON kb.{key} = e.key AND kb.{period} = e.period
             ORDER BY kb.{key}, kb.{period} FOR UPDATE OF kb
         ), still AS (
-            SELECT COUNT(*) = cardinality(%(keys)s::text[]) AS last, {_moved_by()} AS by
-            FROM locked JOIN e ON locked.key = e.key AND locked.period = e.period AND locked.tat_us = e.tat_us
+            SELECT COUNT(*) = cardinality(%(keys)s::text[]) AS last FROM locked WHERE start = %(start)s
         ), moved AS (
-            UPDATE {bucket} AS kb SET {tat} = kb.{tat} + still.by
+            UPDATE {bucket} AS kb SET {tat} = GREATEST(kb.{tat}, {_moved_to('e.tat_us')})
             FROM still, e WHERE still.last AND kb.{key} = e.key AND kb.{period} = e.period
+            RETURNING e.n, kb.{tat} - e.tat_us AS by
         )
-        SELECT CASE WHEN last THEN by END FROM still
+        SELECT CASE WHEN last THEN (SELECT by FROM moved ORDER BY n LIMIT 1) END FROM still
     """
 
 

@@ -37,10 +37,11 @@ def measured(key: str, delay: timedelta) -> None:
 
 
 def owing(key: str, period: timedelta = timedelta(seconds=1)) -> datetime:
-    """Leave the key's bucket owing 100 ms, as under a backlog (a full bucket is not held); return its state."""
+    """Leave the key's bucket owing 100 ms, as under a backlog (a full bucket is not held), as a
+    start of before left it (its token 1); return its state."""
     tat = db_now() + 100 * MS
     KeyBucket.objects.update_or_create(
-        key=key, period=period, defaults={"tat_us": to_us(tat), "since": db_now() - timedelta(seconds=1)}
+        key=key, period=period, defaults={"tat_us": to_us(tat), "since": db_now() - timedelta(seconds=1), "start": 1}
     )
     return tat
 
@@ -75,12 +76,15 @@ def test_a_smooth_rate_gives_its_guard_a_share_of_its_rate_and_the_network_at_le
     assert held.interval == (timedelta(seconds=1) / limit + guard) // timedelta(microseconds=1)
 
 
-def test_a_bucket_that_holds_a_token_back_gives_a_late_request_all_the_token_absorbs():
-    """5 per second, 10 deep: the 20 ms guard costs a token of the burst, not rate; a whole
-    interval then covers the network and a request's lateness."""
+def test_a_bucket_that_holds_a_token_back_keeps_the_whole_guard_and_a_wider_slack():
+    """5 per second, 10 deep: the guard costs a token of the burst, not rate, so the network keeps
+    the configured 20 ms, and a request may go out 20 ms late (a burst's requests go out together)."""
     held = TokenBucket("k", 5, timedelta(seconds=1), burst=10).with_hold(20 * MS, 30 * MS, SEND_SLACK)
-    assert (held.depth, held.interval, held.guard) == (9, 200_000, 200 * MS)
-    assert held.lateness == 180 * MS
+    assert (held.depth, held.interval, held.guard, held.net) == (9, 200_000, 40 * MS, 20 * MS)
+    assert held.lateness == TokenBucket.HELD_BURST_SLACK == 20 * MS
+    # 50 per second, 50 deep: the 41 ms guard holds back 2 tokens (a third: 61 ms would need 4).
+    fast = TokenBucket("k", 50, timedelta(seconds=1), burst=50).with_hold(20 * MS, 30 * MS, SEND_SLACK)
+    assert (fast.depth, fast.guard, fast.lateness) == (48, 40 * MS, 20 * MS)
 
 
 @pytest.mark.parametrize("burst", [1, 3])
@@ -262,7 +266,8 @@ def test_a_start_written_after_a_move_carries_it_and_holds_its_request_that_much
         # key's lock: the move takes the bucket's row alone.
         def move() -> None:
             try:
-                by = ledger.move_on({"paced": [(timedelta(seconds=1), to_us(tat))]}, db_now() - 40 * MS, timedelta(0))
+                start = KeyBucket.objects.get(key="paced").start
+                by = ledger.move_on({"paced": [(timedelta(seconds=1), to_us(tat))]}, start, db_now() - 40 * MS, timedelta(0))
                 assert by is not None and by >= 40 * MS
             finally:
                 connections.close_all()
@@ -362,8 +367,8 @@ def test_a_late_request_whose_move_comes_back_late_moves_again_before_it_goes():
     moves: list[timedelta] = []
     real_move = ledger.move_on
 
-    def slow_first_move(moved, deadline, pad, using=None):
-        by = real_move(moved, deadline, pad, using=using)
+    def slow_first_move(moved, start, deadline, pad, using=None):
+        by = real_move(moved, start, deadline, pad, using=using)
         moves.append(by)
         if len(moves) == 1:
             time.sleep(0.01)  # the first move's answer comes back 10 ms late: beyond its pad
@@ -374,9 +379,10 @@ def test_a_late_request_whose_move_comes_back_late_moves_again_before_it_goes():
     assert len(moves) == 2 and all(by is not None for by in moves)
     call.refresh_from_db()
     judged = datetime.fromisoformat(call.result["judged"])
-    # Both moves are in the bucket: together at least the request's lateness past its moment.
+    # The second move took the bucket further than the first, as far as the request was late
+    # then: at least its lateness past its moment.
     total = bucket_state("paced") - (max(tat, judged + 80 * MS) + 206 * MS)
-    assert total == moves[0] + moves[1]
+    assert total == moves[1] > moves[0]
     assert total >= datetime.fromisoformat(call.result["at"]) - max(tat, judged + 80 * MS) - SEND_SLACK
 
 
@@ -408,3 +414,26 @@ def test_a_process_reads_the_database_clock_from_its_best_recent_start():
     assert abs(at - (base + 1.2005)) < 1e-6 and abs(spread - 0.0005) < 1e-6
     assert offsets.at(stepped, fallback=7.0) != (7.0, 0.0)
     assert arrivals.Offsets().at(stepped, fallback=7.0) == (7.0, 0.0)
+
+
+def test_the_requests_of_one_start_each_move_its_buckets_as_far_as_they_need_and_no_later_start_is_overtaken():
+    """A burst's requests share their start: each late one moves the buckets as far as it is late
+    (the latest wins, none moves them back), until a later start charges them."""
+    second = timedelta(seconds=1)
+    KeyBucket.objects.create(key="burst", period=second, tat_us=1_000_000, since=T0.astimezone(), start=7)
+    KeyBucket.objects.create(key="other", period=second, tat_us=5_000_000, since=T0.astimezone(), start=7)
+    state = {"burst": [(second, 1_000_000)]}
+    # By the pad alone (no deadline): 3 ms, then 2 ms (no further), then 5 ms.
+    assert ledger.move_on(state, 7, None, 3 * MS) == 3 * MS
+    assert ledger.move_on(state, 7, None, 2 * MS) == 3 * MS
+    assert ledger.move_on(state, 7, None, 5 * MS) == 5 * MS
+    assert KeyBucket.objects.get(key="burst").tat_us == 1_005_000
+    # Several keys: all or none.
+    both = {**state, "other": [(second, 5_000_000)]}
+    assert ledger.move_on(both, 7, None, 6 * MS) is not None
+    assert dict(KeyBucket.objects.values_list("key", "tat_us")) == {"burst": 1_006_000, "other": 5_006_000}
+    # A later start charged "other": neither moves any more.
+    KeyBucket.objects.filter(key="other").update(start=8)
+    assert ledger.move_on(both, 7, None, 9 * MS) is None
+    assert dict(KeyBucket.objects.values_list("key", "tat_us")) == {"burst": 1_006_000, "other": 5_006_000}
+    assert ledger.move_on(state, 8, None, 9 * MS) is None
