@@ -139,7 +139,7 @@ def reading_clock() -> Iterator[None]:
     just before it (the send is measured from it, an upper bound) and just after it (a request is
     held from it, a lower bound)."""
     run = here()
-    run.clock_read, run.clock_after = time.monotonic(), None
+    run.clock_read, run.clock_after, run.judged_by = time.monotonic(), None, 0.0
     yield
     run.clock_after = time.monotonic()
 
@@ -151,15 +151,20 @@ def judged_earlier(by: timedelta) -> None:
     run = here()
     if run.clock_after is not None:
         run.clock_after -= by.total_seconds()
+        run.judged_by += by.total_seconds()
 
 
 def note_start(noted: Noted) -> None:
     """Remember, for the start being judged, how long each key keeps its measured delays and what
     it kept (so a worker writes only a delay that changes it), and the rest of ``Noted``; and
-    the start's clock reading, for this process's reading of the database clock (``Offsets``)."""
+    the start's clock reading, for this process's reading of the database clock (``Offsets``):
+    the reading as it was made, not the earlier clock a start woken late for its slot is judged
+    at (that reading's lower bound would lie above the true one, its spread hide a lateness, and
+    the next reading find it contradicted and drop what the process had read)."""
     run = here()
     run.noted = noted
-    _offsets.note(run.clock_read, run.clock_after, noted.now)
+    after = run.clock_after + run.judged_by if run.clock_after is not None else None
+    _offsets.note(run.clock_read, after, noted.now + timedelta(seconds=run.judged_by))
 
 
 # How long this process keeps what its starts read of the database clock (``Offsets``): short

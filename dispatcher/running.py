@@ -37,6 +37,9 @@ class Run:
     # Its monotonic time just after that reading, until when the call's request is held, and
     # what its release checks (send-time pacing: ``arrivals.hold``, ``arrivals.Held``).
     clock_after: float | None = None
+    # How much earlier than that reading the start was judged (``arrivals.judged_earlier``):
+    # seconds, which both fields above already carry back.
+    judged_by: float = 0.0
     hold_until: float | None = None
     held: Any = None
     # Once released: the latest its send may be marked and be what its buckets were charged for,

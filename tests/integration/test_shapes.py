@@ -137,6 +137,13 @@ def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeyp
     # sleep and the read together overshot by more than SLOT_GIVE, from SLOT_GIVE before them.
     charged = from_us(KeyBucket.objects.get(key="paced").tat_us) - before
     assert timedelta(milliseconds=106) <= charged < timedelta(milliseconds=106 + 3)
+    # The process keeps the reading as it was made, not the slot: its bounds still hold the
+    # database's clock between them (a spread of at least the query's round trip), where the
+    # slot's 3 ms would have put the lower bound above the upper one, hiding any lateness.
+    from dispatcher import arrivals
+
+    _, spread = arrivals._offsets.at(db_now(), fallback=0.0)
+    assert spread > 0
 
 
 def test_under_a_learnt_guard_a_call_above_the_buckets_depth_is_claimed_and_started_alone(settings):
