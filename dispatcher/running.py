@@ -37,8 +37,9 @@ class Run:
     # Its monotonic time just after that reading, until when the call's request is held, and
     # what its release checks (send-time pacing: ``arrivals.hold``, ``arrivals.Held``).
     clock_after: float | None = None
-    # How much earlier than that reading the start was judged (``arrivals.judged_earlier``):
-    # seconds, which both fields above already carry back.
+    # How much earlier than that reading the start was judged (``arrivals.judged_earlier``), in
+    # seconds: ``clock_after`` already carries it back (``clock_read`` does not: a send's delay
+    # counts from the reading itself).
     judged_by: float = 0.0
     hold_until: float | None = None
     held: Any = None
