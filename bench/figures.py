@@ -475,6 +475,7 @@ class _HttpWorkload:
         from support.processes import wait_until
 
         worker = self.procs.worker(self.ctx.queue, concurrency=threads, pool="threads", extra_env=env)
+        self.threads = threads
         self.client.set(self.counter, 0)
         http_get.apply_async((self.url, self.counter), queue=self.ctx.queue)
         check(wait_until(lambda: int(self.client.get(self.counter) or 0) >= 1, 60),
@@ -488,6 +489,7 @@ class _HttpWorkload:
 
         self.client.set(self.counter, 0)
         self.meter.start()
+        first = len(self.api.arrivals)
         started = time.perf_counter()
         for _ in range(self.n):
             http_get.apply_async((self.url, self.counter), queue=self.ctx.queue)
@@ -495,7 +497,15 @@ class _HttpWorkload:
               "plain tasks lost")
         seconds = time.perf_counter() - started
         self.cpu.setdefault("plain", []).append(self.meter.stop())
+        self._slot_use("plain", first)
         return seconds
+
+    def _slot_use(self, phase: str, first: int) -> None:
+        """Print how full the worker's slots were at the API: the requests' 100 ms each over the
+        slots times the span from the first arrival to the last answer."""
+        times = sorted(a.at for a in self.api.arrivals[first:])
+        span = times[-1] + 0.1 - times[0]
+        print(f"slot use, {phase}: {len(times) * 0.1 / (self.threads * span):.1%} over {span:.3f} s", flush=True)
 
     def ours(self, per_message: int | None = 1) -> float:
         """Seconds for n http calls, from the first start to the last finish; none lost or run twice
@@ -511,6 +521,7 @@ class _HttpWorkload:
             [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
         )
         env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
+        first = len(self.api.arrivals)
         self.meter.start()
         dispenser = self.procs.dispenser(extra_env=env)
         check(_wait_done(self.n, 600), f"only {count_status('done')} of {self.n} calls done")
@@ -518,6 +529,7 @@ class _HttpWorkload:
         self.procs.stop(dispenser)
         check(CallQueue.objects.filter(status="done").count() == self.n, "calls lost")
         check(Attempt.objects.count() == self.n, "a call ran twice")
+        self._slot_use(str(per_message or "default"), first)
         span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
         return (span["last"] - span["first"]).total_seconds()
 
