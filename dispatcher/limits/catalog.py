@@ -69,6 +69,10 @@ class Policies:
     # whole guard (``arrivals.answered``).
     reach: dict[str, timedelta] = field(default_factory=dict)
     spans: dict[str, timedelta] = field(default_factory=dict)
+    # Per key whose buckets hold no token back (a smooth rate) going out unheld (``release``), how
+    # late after its start they let a request arrive (its whole guard): its request is settled as
+    # it goes out all the same (``arrivals.release``), held for no time (``send_holds``).
+    settled: dict[str, timedelta] = field(default_factory=dict)
     _guarded: dict[str, list[PolicyShape]] = field(default_factory=dict)
     # Per held key, its guard and delay were it not held (``release``).
     _unheld: dict[str, tuple[timedelta, timedelta]] = field(default_factory=dict)
@@ -176,7 +180,7 @@ class Policies:
         applies its keys' guards to a copy (the policy lists themselves are shared, never changed).
         """
         return dataclasses.replace(
-            self, guards={}, learnt_delays={}, holds={}, reach={}, spans={}, _guarded={}, _unheld={}
+            self, guards={}, learnt_delays={}, holds={}, reach={}, spans={}, settled={}, _guarded={}, _unheld={}
         )
 
     def apply_guards(
@@ -194,6 +198,7 @@ class Policies:
             self.guards.pop(key, None)
             self.holds.pop(key, None)
             self.reach.pop(key, None)
+            self.settled.pop(key, None)
             self._unheld.pop(key, None)
             governing = self.for_key(key)
             if not governing:
@@ -211,16 +216,40 @@ class Policies:
                 continue
             self.learnt_delays[key] = learnt
             self.guards[key] = arrival_guard(floor, cap, learnt)
+            self._settle(key)
         return spans
 
     def release(self, key: str) -> None:
         """Let a held key's starts go out unheld, under the guard with the whole delay measured
         (``gate.assess``: its buckets are full, so that guard admits a call at once, and a hold
-        would cost latency for nothing)."""
+        would cost latency for nothing).
+
+        A key whose buckets hold no token back (a smooth rate: a start finds them full whenever
+        it is admitted at all; before a delay is measured it is not held either) has its request
+        settled as it goes out all the same: later than that guard allows, it moves the buckets
+        on first, or does not go once a later start was charged on them. Settled after its
+        answer instead, a request that went out late (a new process's first start and
+        connection: 10-30 ms where later ones take 5) left the next start to go out on the
+        buckets as they were, too close behind it: a 429 behind a smooth rate. A bucket with a
+        burst has tokens to cover such a lateness, and is not settled."""
         self.guards[key], self.learnt_delays[key] = self._unheld.pop(key)
         del self.holds[key]
         self.reach.pop(key, None)
         self._guarded.pop(key, None)
+        self._settle(key)
+
+    def _settle(self, key: str) -> None:
+        """Have an unheld key's request settled as it goes out if its policies are all buckets
+        that hold no token back (``release``): before its workers measured a delay (its first
+        calls), or its buckets full."""
+        governing = self.for_key(key)
+        if governing and all(isinstance(p, TokenBucket) and p.burst <= 1 for p in governing):
+            self.settled[key] = min(p.guard for p in governing)
+
+    def send_holds(self) -> tuple[dict[str, timedelta], dict[str, timedelta]]:
+        """Return, per key whose requests are settled as they go out, how long after its start
+        its request is held (0 for a released key's) and how late its buckets let it arrive."""
+        return {**self.holds, **dict.fromkeys(self.settled, timedelta(0))}, {**self.reach, **self.settled}
 
     def pattern_pause(self, key: str) -> datetime | None:
         latest = None

@@ -341,10 +341,11 @@ def assess(
         if all(r.tat is None or r.tat <= now for r in readings[key]):
             policies.release(key)
     if for_start:
+        holds, reach = policies.send_holds()
         arrivals.note_start(arrivals.Noted(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            dict(policies.holds), dict(policies.reach),
+            holds, reach,
         ))
     costs = costs or {}
     verdicts = {

@@ -298,7 +298,9 @@ def test_a_start_is_recorded_at_its_own_statement_clock_and_its_bucket_charge_mo
     from dispatcher.clock import to_us
 
     settings.DISPATCHER_ARRIVAL_GUARD = "0"
-    edit.set_policy("greeter", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
+    # One every 100 ms, with a burst: a smooth rate's request (burst 1) would be settled as it goes
+    # out, and moved on by the 50 ms its start was judged early (test_send_time_pacing.py).
+    edit.set_policy("greeter", 10, timedelta(seconds=1), burst=2)
     call = CallQueue.objects.send("greet", {"name": "ada"})
     (claimed,) = claim_all(call.key_set).calls
     with connection.cursor() as cursor:
