@@ -18,6 +18,9 @@ SHAPES = [
     "a", "a=", "=", "-", "a-", "a:", "\n", " ", '"', '"\\', '\\"', "[", "{", "[]", '{"a":', "http://", "a://b:",
     "Bearer ", "Token ", "password=", "<password>", "api%5Fkey=", "{'password': '", "x: ", "<a>", "'a':'",
     "-----BEGIN PRIVATE KEY-----", "password=hunter2zz&", "Authorization: Bearer abc\n", "é", "\u202e",
+    # a secret name's container value: element tags paired, brackets counted, YAML blocks read
+    "<password><a>", "<key>", "<password><![CDATA[", '{"password": {', "password=[", "password: {\n",
+    "password:\n", "- password:\n", "password: |\n",
 ]
 
 

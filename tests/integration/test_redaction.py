@@ -45,6 +45,57 @@ def test_redact_text_hides_secret_values_and_keeps_the_rest(text, expected):
     assert redact_text(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # XML: the whole content of a secret-named element, to its own close tag.
+        ("<password><value>hunter2zz</value></password><user>ann</user>", f"<password>{REDACTED}</password><user>ann</user>"),
+        ("<password><![CDATA[hunter2zz]]></password><user>ann</user>", f"<password>{REDACTED}</password><user>ann</user>"),
+        ('<ns:ApiKey a="1"><v>hunter2zz</v></ns:ApiKey><n>1</n>', f'<ns:ApiKey a="1">{REDACTED}</ns:ApiKey><n>1</n>'),
+        ("<secret>hun<b/>ter2zz</secret> sent", f"<secret>{REDACTED}</secret> sent"),
+        ("<key><key>a</key>hunter2zz</key><n>1</n>", f"<key>{REDACTED}</key><n>1</n>"),
+        ("<password><![CDATA[</password>hunter2zz]]></password><n>1</n>", f"<password>{REDACTED}</password><n>1</n>"),
+        ("<password><!-- </password> -->hunter2zz</password><n>1</n>", f"<password>{REDACTED}</password><n>1</n>"),
+        ('<password a="/>">hunter2zz</password><n>1</n>', f'<password a="/>">{REDACTED}</password><n>1</n>'),
+        ("<note><password>hunter2zz</password></note>", f"<note><password>{REDACTED}</password></note>"),
+        ("body: <data><password>hunter2zz", f"body: <data><password>{REDACTED}"),  # cut off: to the end
+        # JSON and Python reprs: the whole container, to its matching bracket.
+        ('{"password": {"value": "hunter2zz"}, "user": "ann"}', f'{{"password": {REDACTED}, "user": "ann"}}'),
+        ('{"password": ["hunter2zz"], "user": "ann"}', f'{{"password": {REDACTED}, "user": "ann"}}'),
+        ("{'api_key': {'v': 'hunter2zz'}, 'user': 'ann'}", f"{{'api_key': {REDACTED}, 'user': 'ann'}}"),
+        ('{"password": {"a": "x}]\\"y", "b": [["hunter2zz"]]}, "user": "ann"}', f'{{"password": {REDACTED}, "user": "ann"}}'),
+        ("{'password': {'a': ')}]\\'', 'b': 'hunter2zz'}, 'user': 'ann'}", f"{{'password': {REDACTED}, 'user': 'ann'}}"),
+        ("{'auth': ('ann', 'hunter2zz'), 'timeout': 5}", f"{{'auth': {REDACTED}, 'timeout': 5}}"),
+        ("{'password': b'hunter2zz', 'user': 'ann'}", f"{{'password': {REDACTED}, 'user': 'ann'}}"),
+        ("{'token': SecretStr('hunter2zz'), 'user': 'ann'}", f"{{'token': {REDACTED}, 'user': 'ann'}}"),
+        ("{'password': {'a': 'x',\n              'b': 'hunter2zz'},\n 'user': 'ann'}", f"{{'password': {REDACTED},\n 'user': 'ann'}}"),
+        ('error: {"password": {"a": "hunter2zz"', f'error: {{"password": {REDACTED}'),  # cut off: to the end
+        # name=, name: followed by a container.
+        ("password={'a': 'hunter2zz'} user=ann", f"password={REDACTED} user=ann"),
+        ('password=["hunter2zz"], user=ann', f"password={REDACTED}, user=ann"),
+        ('password = [ "x", "hunter2zz" ] user=ann', f"password = {REDACTED} user=ann"),
+        ("Request(auth=('ann', 'hunter2zz'), timeout=5)", f"Request(auth={REDACTED}, timeout=5)"),
+        ("password=b'hunter2zz' user=ann", f"password={REDACTED} user=ann"),
+        ('sent password: ["a b", "hunter2zz"] to the API', f"sent password: {REDACTED} to the API"),
+        ('sent token: "hunter2zz and more" to the API', f"sent token: {REDACTED} to the API"),
+        ('password: {\n  "a": "hunter2zz"\n}\nuser: ann', f"password: {REDACTED}\nuser: ann"),
+        # YAML: a name with no value on its line owns the lines indented below it.
+        ("password:\n  - hunter2zz\nuser: ann", f"password: {REDACTED}\nuser: ann"),
+        ("password:\n  value: hunter2zz\n\nuser: ann", f"password: {REDACTED}\n\nuser: ann"),
+        ("password:\n- hunter2zz\nuser: ann", f"password: {REDACTED}\nuser: ann"),
+        ("db:\n  password: |\n    hunter2zz\n  user: ann", f"db:\n  password: {REDACTED}\n  user: ann"),
+        ("- password:\n    value: hunter2zz\n  user: ann", f"- password: {REDACTED}\n  user: ann"),
+        ('"password":\n  value: hunter2zz\nuser: ann', f'"password": {REDACTED}\nuser: ann'),
+        ("password:\r\n  value: hunter2zz\r\nuser: ann", f"password: {REDACTED}\r\nuser: ann"),
+        ("password: &db\n  - hunter2zz\nuser: ann", f"password: {REDACTED}\nuser: ann"),
+        ("password: !!binary |\n  aHVudGVyMnp6\nuser: ann", f"password: {REDACTED}\nuser: ann"),
+        ("password: 'hun\n  ter2zz'\nuser: ann", f"password: {REDACTED}\nuser: ann"),
+    ],
+)
+def test_a_secret_names_container_value_is_hidden_whole_and_what_follows_it_stays(text, expected):
+    assert redact_text(text) == expected
+
+
 def test_redact_hides_secrets_inside_strings_of_params():
     shown = str(redact(PARAMS))
     assert not any(secret in shown for secret in SECRETS)

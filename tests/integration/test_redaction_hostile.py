@@ -7,7 +7,7 @@ import logging
 
 import pytest
 from django.contrib.auth.models import User
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from dispatcher.models import CallQueue
@@ -49,6 +49,30 @@ TOKEN = "t0ken-for-redaction-tests"
     # A quoted value longer than a line of text, or never closed.
     'password="' + "x" * 1200 + 'hunter2zz"',
     'password="hunter2zz and more',
+    # The value is a container: hidden whole, whatever it holds.
+    "<password><value>hunter2zz</value></password>",
+    "<password><![CDATA[hunter2zz]]></password>",
+    '<ns:ApiKey a="1"><v>hunter2zz</v></ns:ApiKey>',
+    "<Token>\n  <v>hunter2zz</v>\n</Token>",
+    "<password><a>hunter2zz",  # never closed
+    '{"password": {"value": "hunter2zz"}}',
+    '{"password": ["hunter2zz"]}',
+    "{'api_key': {'v': 'hunter2zz'}}",
+    '{"password": {"a": {"b": [{"c": "hunter2zz"}]}}}',
+    '{"password": {"a": "]}\\"", "b": "hunter2zz"}}',
+    "{'password': ('x', 'hunter2zz')}",
+    "{'password': b'hunter2zz'}",
+    "{'password': OrderedDict([('v', 'hunter2zz')])}",
+    "password={'a': 'hunter2zz'}",
+    'password=["hunter2zz"]',
+    "password=('x', 'hunter2zz')",
+    "password=SecretStr('hunter2zz')",
+    'note: token: {"v": "hunter2zz"}',
+    "Authorization: {\n  'v': 'hunter2zz'\n}",
+    "password:\n  - hunter2zz",
+    "password:\n  value: hunter2zz",
+    "password: >-\n  hunter2zz",
+    "  api_key:\n\n    hunter2zz\n",
 ])
 def test_every_secret_shape_is_hidden(text):
     shown = redact_text(text)
@@ -68,6 +92,10 @@ def test_secret_shapes_are_hidden_in_structured_values(params):
 @pytest.mark.parametrize("text", [
     "key=None", "password=null", "token=", "dispense key=None moved=3", "'password': None", "<password></password>",
     "the token expired", "sort_order=asc&page=2", "Content-Type: application/json", "<name>ann</name>",
+    # Containers: under a name that is not secret, or empty.
+    '{"user": {"name": "ann", "roles": ["a", "b"]}}', "<user><name>ann</name></user>", "note=['a', 'b']",
+    "config:\n  debug: true\n  level: 2", "password:\nuser: ann", "password=[]", '{"password": {}}', "<password/><n>1</n>",
+    "<password>\n</password>",
 ])
 def test_text_that_holds_no_secret_is_shown_as_it_is(text):
     assert redact_text(text) == text
@@ -84,6 +112,7 @@ def test_the_corpus_is_redacted_and_scanned_without_error(text):
     shown = redact_text(text)
     assert isinstance(redact({"v": text, text[:50]: [text]}), dict)
     assert 0 <= json_text_depth(text) <= MAX_JSON_DEPTH + 1
+    assert redact_text(shown) == shown  # what is shown is redacted already
     if text in SECRET_SHAPES:
         assert SECRET not in shown
 
@@ -121,6 +150,7 @@ noise = st.text(alphabet=" \n\t,;&=:'\"<>/abcxyz", max_size=30)
 def test_a_secret_named_value_never_shows_whatever_surrounds_it(name, value, shape, before, after):
     if shape.startswith("<"):
         name = name.replace("-", "_").replace("%5F", "_")  # an element name
+    assume(value not in before + after)  # the noise's letters may spell the value
     text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
     assert value not in redact_text(text)
 
@@ -137,8 +167,40 @@ holders = st.sampled_from([
 def test_a_secret_named_value_never_shows_inside_another_names_value(name, value, shape, holder, before):
     if shape.startswith("<"):
         name = name.replace("-", "_").replace("%5F", "_")  # an element name
+    assume(value not in before)
     text = before + holder.format(shape.format(n=name, v=value))
     assert value not in redact_text(text)
+
+
+# A secret name whose value is a container (XML children, a JSON or repr object, array or tuple,
+# a constructor's call, an indented YAML block).
+containers = st.sampled_from([
+    "{n}={{'a': '{v}'}}", "{n}=['x', \"{v}\"]", "{n} = ('x', '{v}')", "{n}=SecretStr('{v}')", "{n}=b'{v}'",
+    "{{'{n}': {{'a': ['{v}']}}}}", '{{"{n}": ["x", "{v}"]}}', "{{'{n}': ('x', '{v}')}}", '{{"{n}": {{"a": "]}}\\"", "b": "{v}"}}}}',
+    "<{n}><a>{v}</a></{n}>", "<{n}><![CDATA[{v}]]></{n}>", "<{n}>x<b/>{v}</{n}>",
+    "{n}:\n  - {v}", "{n}:\n  a: {v}", "{n}: |\n  {v}", '{n}: {{\n  "a": "{v}"\n}}', "note {n}: ['x', '{v}']",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(names, values, containers, noise, noise)
+def test_a_secret_named_container_never_shows_what_it_holds(name, value, shape, before, after):
+    if shape.startswith("<"):
+        name = name.replace("-", "_").replace("%5F", "_")  # an element name
+    assume(value not in before + after)  # the noise's letters may spell the value
+    text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
+    assert value not in redact_text(text)
+
+
+@pytest.mark.parametrize("shape", [
+    "<password><value>hunter2zz</value></password>", '{"password": {"value": ["hunter2zz", "]"]}}',
+    "{'password': ('x', 'hunter2zz')}", "password={'a': 'hunter2zz'}", "password=[\"hunter2zz\"]",
+    "note password: ['hunter2zz']", "password:\n  - hunter2zz\n",
+])
+@pytest.mark.parametrize("sibling", ["\n<user>ann</user>", ", 'user': 'ann'", ", user=ann", "\nuser: ann"])
+def test_what_follows_a_hidden_container_stays_readable(shape, sibling):
+    shown = redact_text(shape + sibling)
+    assert SECRET not in shown and shown.endswith(sibling.lstrip(",\n"))
 
 
 @settings(max_examples=200, deadline=None)
