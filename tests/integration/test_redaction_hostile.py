@@ -148,11 +148,16 @@ noise = st.text(alphabet=" \n\t,;&=:'\"<>/abcxyz", max_size=30)
 @example("password", "000000", "'{n}': '{v}'", "':':'", "")
 @example("api_key", "zzzzzz", "'{n}': '{v}'", "'password': '", "")
 def test_a_secret_named_value_never_shows_whatever_surrounds_it(name, value, shape, before, after):
+    assert value not in redact_text(framed(name, value, shape, before, after))
+
+
+def framed(name: str, value: str, shape: str, before: str, after: str) -> str:
+    """The shape with this name (an element's name where the shape is one) and value, on a line
+    of its own between two noise texts."""
     if shape.startswith("<"):
         name = name.replace("-", "_").replace("%5F", "_")  # an element name
     assume(value not in before + after)  # the noise's letters may spell the value
-    text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
-    assert value not in redact_text(text)
+    return before + "\n" + shape.format(n=name, v=value) + "\n" + after
 
 
 # A construct whose name is not secret, its value holding the secret shape: a pair (quoted or
@@ -185,11 +190,7 @@ containers = st.sampled_from([
 @settings(max_examples=300, deadline=None)
 @given(names, values, containers, noise, noise)
 def test_a_secret_named_container_never_shows_what_it_holds(name, value, shape, before, after):
-    if shape.startswith("<"):
-        name = name.replace("-", "_").replace("%5F", "_")  # an element name
-    assume(value not in before + after)  # the noise's letters may spell the value
-    text = before + "\n" + shape.format(n=name, v=value) + "\n" + after
-    assert value not in redact_text(text)
+    assert value not in redact_text(framed(name, value, shape, before, after))
 
 
 @pytest.mark.parametrize("shape", [
