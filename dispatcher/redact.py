@@ -47,7 +47,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, unquote
 
@@ -228,13 +228,26 @@ def _named(text: str, head: re.Pattern[str], value: re.Pattern[str], sep: str | 
     start) for a secret name alone, and skipped once replaced, so whatever another name's value
     holds is scanned as any text. Linear: each head is matched once, and each character is in at
     most one value read."""
+
+    def replaced(m: re.Match[str]) -> tuple[str, int] | None:
+        if not _secret(m["name"]) or (end := _value_end(text, m.end(), value)) is None:
+            return None
+        return f"{m['name']}{m['eq'] if sep is None else sep}{REDACTED}", end
+
+    return _replace_values(text, head, replaced)
+
+
+def _replace_values(text: str, head: re.Pattern[str], replaced: Callable[[re.Match[str]], tuple[str, int] | None]) -> str:
+    """Replace, from each match of ``head`` on, what ``replaced`` says (its text, and where the
+    value it replaces ends; None: leave it), the search going on after the replaced value."""
     out: list[str] = []
     done = at = 0
     while (m := head.search(text, at)) is not None:
         at = m.end()
-        if not _secret(m["name"]) or (end := _value_end(text, at, value)) is None:
+        if (found := replaced(m)) is None:
             continue
-        out += [text[done:m.start()], m["name"], m["eq"] if sep is None else sep, REDACTED]
+        new, end = found
+        out += [text[done:m.start()], new]
         done = at = end
     return "".join(out) + text[done:] if out else text
 
@@ -322,15 +335,12 @@ def _headers(text: str) -> str:
     """Replace the value of every secret-named header line: the rest of the line, and the lines a
     container or a YAML block below it runs on to. Linear: each line is matched once, and a
     replaced block is skipped."""
-    out: list[str] = []
-    done = at = 0
-    while (m := _HEADER.search(text, at)) is not None:
-        at = m.end()
-        if (end := _header_end(text, m)) is None:
-            continue
-        out += [text[done:m.start()], f"{m['lead']}{m['q']}{m['name']}{m['q']}: {REDACTED}"]
-        done = at = end
-    return "".join(out) + text[done:] if out else text
+
+    def replaced(m: re.Match[str]) -> tuple[str, int] | None:
+        end = _header_end(text, m)
+        return None if end is None else (f"{m['lead']}{m['q']}{m['name']}{m['q']}: {REDACTED}", end)
+
+    return _replace_values(text, _HEADER, replaced)
 
 
 def _tags(text: str) -> Iterator[tuple[int, re.Match[str]]]:
