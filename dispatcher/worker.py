@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from celery.signals import worker_process_init
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
 
 from dispatcher import arrivals, liveness
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.calls.start import StartState
+from dispatcher.calls.start import warm as warm_start
 from dispatcher.combiner import StartCombiner
 from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
@@ -88,6 +90,31 @@ def _combined_start(call_id: int, dispatch_no: int, worker: str, *, may_wait: ti
         with _combiners_lock:
             combiner = _combiners.setdefault(manager.db, StartCombiner(manager.start_many))
     return combiner.start(call_id, dispatch_no, worker, may_wait=may_wait)
+
+
+def warm_process(**_: Any) -> None:
+    """Run a start's statements once on no calls (``calls.start.warm``), so that this process's
+    first start is not slower than its later ones; never fails the worker (a database not yet up
+    is met again by the first start)."""
+    try:
+        warm_start(CallQueue.objects)
+    except DatabaseError as exc:
+        log.warning("warm_start_failed error=%r", exc)
+        connections[CallQueue.objects.db].close()
+
+
+def warm_worker(**_: Any) -> None:
+    """At worker_init, before the pool starts: warm this process (a prefork pool's children are
+    forked from it with what it built; a pool's threads share it), then close its connection, so
+    that no child is forked with it open; and have each prefork child warm its own database
+    session as it starts. A threads pool's threads each open a session of their own, cold.
+
+    Connected at worker_init, so it runs after the worker_process_init receiver of Celery's Django
+    fixup (connected as the worker initialises), which closes a new child's connections.
+    """
+    warm_process()
+    connections[CallQueue.objects.db].close()
+    worker_process_init.connect(warm_process, weak=False, dispatch_uid="dispatcher.worker.warm_process")
 
 
 def execute(call_id: int, dispatch_no: int) -> str:

@@ -6,6 +6,7 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 
 from dispatcher.clock import from_us
 from dispatcher.limits import edit, gate
@@ -117,3 +118,37 @@ def test_a_message_runs_its_calls_and_records_each_outcome_once():
     assert KeyState.objects.get(key="llm").total == 2
     assert not CallQueue.objects.filter(status="running").exists()
     assert set(KeyState.objects.values_list("reserved", flat=True)) == {0}
+
+
+def _table_state() -> tuple:
+    """Every row a start writes: calls, attempts, start logs, buckets, key counters."""
+    return (
+        sorted(CallQueue.objects.values_list("id", "status", "attempts", "started_at")),
+        sorted(Attempt.objects.values_list("id", "call_id", "started_at")),
+        sorted(StartLog.objects.values_list("id", "key", "cum")),
+        sorted(KeyBucket.objects.values_list("key", "period", "tat_us", "start")),
+        sorted(KeyState.objects.values_list("key", "reserved", "reserved_units", "total")),
+    )
+
+
+def test_warming_a_start_writes_nothing_and_the_next_start_runs_as_any(django_assert_max_num_queries):
+    from dispatcher.calls.start import warm
+
+    # Calls claimed (dispatched, reserved), a bucket charged by an earlier start: what a warm-up
+    # must leave as it found it.
+    edit.set_policy("api", 60, timedelta(minutes=1), burst=5)
+    deliveries = _claimed(3)
+    started_first = CallQueue.objects.start(*deliveries[0], "w")
+    assert started_first.state == "started"
+    before = _table_state()
+    warm(CallQueue.objects)
+    assert _table_state() == before
+    # On PostgreSQL it ran a start's statements (the point of it), a bounded few; SQLite has none to warm.
+    with django_assert_max_num_queries(8) as captured:
+        warm(CallQueue.objects)
+    assert bool(captured.captured_queries) == (connection.vendor == "postgresql")
+    assert _table_state() == before
+    started = CallQueue.objects.start_many(deliveries[1:], "w")
+    assert [s.state for s in started] == ["started", "started"]
+    assert Attempt.objects.count() == 3
+    assert KeyState.objects.get(key="api").reserved == 0

@@ -1,0 +1,43 @@
+"""A worker's first start runs warm: each prefork child has run a start's statements before its first task."""
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from dispatcher.models import CallQueue
+from support.processes import wait_until
+from tests.calls import all_finished
+
+# A fragment of the statement that marks calls running (``call_sql.mark_running_group``), the
+# last one ``calls.start.warm`` runs.
+MARK_RUNNING = "AS d(id, dispatch_no)"
+
+
+def _sessions(dsn: str) -> list[tuple[str, str]]:
+    """Each client session on the test database but this one: its state and its last statement."""
+    with psycopg.connect(dsn, autocommit=True) as db:
+        return db.execute(
+            "SELECT state, query FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+        ).fetchall()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_each_prefork_child_has_run_a_start_before_its_first_task(procs):
+    dsn = procs.env["DATABASE_URL"]
+    procs.worker(procs.queue, concurrency=2)
+
+    def warmed() -> list[tuple[str, str]]:
+        return [row for row in _sessions(dsn) if MARK_RUNNING in (row[1] or "")]
+
+    assert wait_until(lambda: len(warmed()) >= 2, timeout=60), procs.logs()
+    # Each child's session stays open and idle for its tasks (Celery's Django fixup closes a new
+    # child's connections first: the warm-up runs after it).
+    assert [state for state, _ in warmed()] == ["idle", "idle"]
+
+    # And the warmed workers run calls as any do.
+    procs.dispenser()
+    sent = [CallQueue.objects.send("noop", {}, keys=["warm"]) for _ in range(4)]
+    assert wait_until(lambda: all_finished([c.id for c in sent]), timeout=60), procs.logs()
+    assert set(CallQueue.objects.filter(id__in=[c.id for c in sent]).values_list("status", flat=True)) == {"done"}
