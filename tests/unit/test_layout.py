@@ -15,7 +15,8 @@ FUNCTION_LOCAL_IMPORTS = {
     # AppConfig.ready(): runs once the registry is ready; these modules register checks and signals.
     ("apps", "django.utils.module_loading"), ("apps", "dispatcher"), ("apps", "dispatcher.beat"),
     ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"),
-    ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"), ("apps", "django.contrib"),
+    ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"), ("apps", "dispatcher.worker"),
+    ("apps", "django.contrib"),
     # The package root is imported while INSTALLED_APPS load, before models may be defined; the
     # function it exports from the limiter's learning is imported when first asked for.
     ("dispatcher", "dispatcher.learning"),
