@@ -13,7 +13,7 @@ from django.db.models import F
 
 from dispatcher.calls import shares
 from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
-from dispatcher.clock import db_now
+from dispatcher.clock import db_now, db_now_commit_unflushed
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
@@ -91,10 +91,16 @@ def claim_batch(
             fail_unreadable(manager, manager.filter(status=Status.PENDING, key_set=text), str(exc))
             result.verdicts[text] = gate.Verdict(room=0, reason=str(exc))
     all_keys = sorted({key for keys in parsed.values() for key in keys})
+    # A claim lost to a database crash leaves nothing wrong: its calls stay pending, their dispatch
+    # numbers and their keys' reservations as before (one transaction), and a message it published
+    # finds its call not dispatched for it (a stale delivery: nothing runs). So its COMMIT need not
+    # wait for the disk (the start that runs a call commits durably); unless a caller's own
+    # transaction holds it, whose commit must stay as durable as the caller chose.
+    own = not connections[manager.db].in_atomic_block
     # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
     with transaction.atomic(using=manager.db):
         states = locks.lock_keys(all_keys, using=manager.db)
-        now = db_now(manager.db)
+        now = db_now_commit_unflushed(manager.db) if own else db_now(manager.db)
         # Judge the windows a little ahead, so a call claimed for a slot about to free
         # reaches its worker as the slot frees; the start re-checks on the clock of then.
         at = now + dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)

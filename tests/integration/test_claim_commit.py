@@ -1,0 +1,47 @@
+"""A claim's COMMIT does not wait for the disk (a lost claim leaves nothing wrong); nothing else's does."""
+from __future__ import annotations
+
+import pytest
+from django.db import connection, transaction
+
+from dispatcher.dispenser import Dispenser
+from dispatcher.models import CallQueue
+from tests.integration.test_lifecycle import claim_all
+
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+
+def _synchronous_commit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        return cursor.fetchone()[0]
+
+
+def test_a_dispense_pass_commits_its_claim_unflushed_and_the_session_stays_durable():
+    seen: list[str] = []
+
+    def watch(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if sql.lstrip().upper().startswith("UPDATE") and "dispatcher_call" in sql:
+            # Inside the claim's transaction, as its calls are marked dispatched.
+            with context["connection"].cursor() as cursor:
+                cursor.execute("SHOW synchronous_commit")
+                seen.append(cursor.fetchone()[0])
+        return result
+
+    assert _synchronous_commit() == "on"
+    sent = [CallQueue.objects.send("noop", {}, keys=["api"]) for _ in range(3)]
+    with connection.execute_wrapper(watch):
+        report = Dispenser().run_once()
+    assert report.moved == 3
+    assert seen and set(seen) == {"off"}
+    # Set for the claim's transaction alone: the session's next ones (a start, a finish) wait for the disk.
+    assert _synchronous_commit() == "on"
+    assert set(CallQueue.objects.filter(id__in=[c.id for c in sent]).values_list("status", flat=True)) == {"dispatched"}
+
+
+def test_a_claim_inside_a_callers_transaction_leaves_its_commit_durable():
+    call = CallQueue.objects.send("noop", {}, keys=["api"])
+    with transaction.atomic():
+        assert [c.id for c in claim_all(call.key_set).calls] == [call.id]
+        assert _synchronous_commit() == "on"
