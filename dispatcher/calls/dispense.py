@@ -93,7 +93,8 @@ def claim_batch(
     all_keys = sorted({key for keys in parsed.values() for key in keys})
     # A claim lost to a database crash leaves nothing wrong: its calls stay pending, their dispatch
     # numbers and their keys' reservations as before (one transaction), and a message it published
-    # finds its call not dispatched for it (a stale delivery: nothing runs). So its COMMIT need not
+    # finds its call not dispatched for it (a stale delivery: nothing runs), or, once the call is
+    # claimed again with the same number, one of its two messages starts it. So its COMMIT need not
     # wait for the disk (the start that runs a call commits durably); unless a caller's own
     # transaction holds it, whose commit must stay as durable as the caller chose.
     own = not connections[manager.db].in_atomic_block
