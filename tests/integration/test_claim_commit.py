@@ -45,3 +45,24 @@ def test_a_claim_inside_a_callers_transaction_leaves_its_commit_durable():
     with transaction.atomic():
         assert [c.id for c in claim_all(call.key_set).calls] == [call.id]
         assert _synchronous_commit() == "on"
+
+
+def test_a_claim_lost_to_a_crash_leaves_its_call_to_run_once():
+    from dispatcher.models import Attempt, KeyState
+    from dispatcher.worker import execute
+
+    call = CallQueue.objects.send("noop", {}, keys=["api"])
+    rows = CallQueue.objects.filter(id=call.id)
+    before_call = rows.values("status", "dispatch_no", "dispatched_at").get()
+    claimed = claim_all(call.key_set).calls
+    lost_message = (call.id, claimed[0].dispatch_no)
+    # The database crashes before the claim reached the disk: it comes back as it was before it.
+    rows.update(**before_call)
+    KeyState.objects.filter(key="api").update(reserved=0, reserved_units=0)
+    assert execute(*lost_message) == "stale"
+    # Claimed again, the call gets the same dispatch number: whichever message comes first runs it.
+    again = claim_all(call.key_set).calls
+    assert (call.id, again[0].dispatch_no) == lost_message
+    assert [execute(*lost_message), execute(*lost_message)] == ["done", "stale"]
+    assert Attempt.objects.filter(call=call).count() == 1
+    assert KeyState.objects.get(key="api").reserved == 0
