@@ -21,6 +21,12 @@ SHAPES = [
     # a secret name's container value: element tags paired, brackets counted, YAML blocks read
     "<password><a>", "<key>", "<password><![CDATA[", '{"password": {', "password=[", "password: {\n",
     "password:\n", "- password:\n", "password: |\n",
+    # strings escaped, joined or triple-quoted; INI sections; ``=>``; a secret named by a sibling;
+    # a secret element's attributes; a secret element never closed
+    '{\\"password\\": \\"', '{\\"password\\": {\\"', 'password="a\\"', "'token': 'ab' ", 'password = """',
+    "[password]\n", "[password]\nv=1\n", '"password" => "', "password => ", '<add key="ApiKey" value="',
+    '{"name": "password", "value": "', '{"name": "password", "value": {', '<password value="x"/>', "<token> ",
+    "<token></a>",
 ]
 
 

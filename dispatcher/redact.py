@@ -5,28 +5,51 @@ The one home for redaction. Two entry points:
 - ``redact(value)``: a JSON-like value (params, results) with secret-named entries replaced,
   and every string in it passed through ``redact_text``;
 - ``redact_text(text)``: free text (errors, tracebacks, log lines, URLs, form bodies, XML, Python
-  reprs, YAML) with the value of every secret-named ``name=value`` pair (also ``name = value`` and
-  URL-encoded names such as ``api%5Fkey``), ``name: value`` header line, ``"name": "value"`` or
-  ``'name': 'value'`` member and ``<name>value</name>`` element replaced, and so are credentials
-  in a URL's user-info, ``Bearer``/``Basic``/``Token`` credentials, PEM private key bodies and the
-  value of every secret the http handler may send (``DISPATCHER_HTTP_SECRETS``), with or without
-  its scheme.
+  reprs, YAML, INI) with the value of every secret-named ``name=value`` pair (also ``name = value``,
+  ``name => value`` and URL-encoded names such as ``api%5Fkey``), ``name: value`` header line,
+  ``"name": "value"`` or ``'name': 'value'`` member (also with ``=>`` or ``=``, and escaped inside
+  another string: ``{\\"password\\": \\"x\\"}``, ``'{\\'token\\': \\'x\\'}'``, up to four levels
+  deep) and ``<name>value</name>`` element replaced, and so are credentials in a URL's user-info,
+  ``Bearer``/``Basic``/``Token`` credentials, PEM private key bodies and the value of every secret
+  the http handler may send (``DISPATCHER_HTTP_SECRETS``), with or without its scheme.
+
+A quoted value runs to its closing quote, escapes honoured (``password="a\\"b"`` hides ``a\\"b``),
+triple-quoted strings across lines, with the strings Python joins to it (``'ab' 'cd'``, across lines
+as pprint wraps them; a string followed by ``:`` or ``=`` is the next name); one never closed runs
+to the text's end.
+
+A secret is also found by what stands next to it:
+
+- the lines of an INI or TOML section named secret (``[password]``, ``[auth]``), to the next
+  section's header or the text's end (blank lines do not end a section);
+- in an object with a ``name`` or ``key`` member (``ParameterKey``, ``Name``...) whose value is a
+  secret name, every other member's value (``{"name": "password", "value": "x"}``,
+  ``{'Key': 'token', 'Val': 'x'}``, in any order);
+- in an element named secret, or whose ``name`` or ``key`` attribute names one, every other
+  attribute's value but namespace declarations (``<password value="x"/>``,
+  ``<add key="ApiKey" value="x"/>``).
 
 A value that is a container is replaced whole, whatever it holds:
 
 - an element's children, CDATA, comments and mixed text, to the close tag of the same name that
   pairs with its open tag (``<password><v>x</v></password>``, ``<ns:ApiKey><![CDATA[x]]></ns:ApiKey>``);
-- after ``name=``, ``name:`` or a member's ``:``, an object, array or tuple to its matching bracket,
-  quoted strings (and their escapes) skipped whole, also as a constructor's call or a prefixed
-  string (``{"password": {"v": "x"}}``, ``password=['x']``, ``'auth': ('u', 'x')``,
-  ``token=SecretStr('x')``, ``'password': b'x'``), across lines when the text does; after
-  ``name:``, a quoted value to its closing quote too;
+  one whose name no close tag has runs to the next tag if that closes another element (XML text
+  holds no ``<``: ``<data><token>x</data>``), else to the text's end;
+- after ``name=``, ``name:`` or a member's separator, an object, array or tuple to its matching
+  bracket, quoted strings (and their escapes, at the member's escape level) skipped whole, also as a
+  constructor's call or a prefixed string (``{"password": {"v": "x"}}``, ``password=['x']``,
+  ``'auth': ('u', 'x')``, ``token=SecretStr('x')``, ``'password': b'x'``), across lines when the
+  text does; after ``name:``, a quoted value to its closing quote too;
 - after a ``name:`` line with no value (or a YAML ``|``/``>`` indicator, tag or anchor), the lines
   indented below it (``password:`` then ``  - x`` or ``  value: x``; YAML's ``- x`` at the name's
   own depth too).
 
 A container never closed runs to the text's end: a cut-off text hides too much, never too little.
 An empty one (``password=[]``, ``<password></password>``) says there is no secret and stays.
+
+Not covered: a sibling-named object escaped inside another string, one whose string a stray quote
+earlier on its line swallows, and form bodies (``name=password&value=x``); an element named by its
+``name`` attribute keeps its content (``<setting name="ApiKey"><value>x</value></setting>``).
 
 A name is secret when ``SECRET_NAME`` finds it (``password``, ``client_secret``, ``api_key``,
 ``X-Access-Key``, ``Ocp-Apim-Subscription-Key``, ``signature``, ``sig``, ``key``...). Redaction is
@@ -37,13 +60,16 @@ from its first character (a look-behind refuses a start inside a run of name cha
 are bounded or possessive, and no two patterns scan the same text more than a fixed number of
 times. A container's extent is found in one pass (brackets counted in a single scan that the
 caller then skips; element tags paired in one pass over the tags), never searched for again from
-each open. ``bench/hostile.py`` measures 1 MB.
+each open; an escaped string's end is found in one pass over its runs of backslashes. The passes
+that read what stands next to a secret (sections, attributes, siblings) each step once over their
+text, and the sibling pass runs only if a member names a secret. ``bench/hostile.py`` measures 1 MB.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import functools
+import itertools
 import logging
 import os
 import re
@@ -77,29 +103,64 @@ _USERINFO = re.compile(
     r"(?<![A-Za-z0-9+.\-])(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]{0,40}://)(?P<user>[^:/@\s]{0,200}):(?P<password>[^@/\s]++)@"
 )
 # Where a value that is a container opens: a bracket, maybe after a constructor's name
-# (``OrderedDict([...])``, ``SecretStr('x')``), or a prefixed string (``b'x'``). It ends at the
-# bracket or quote, where ``_container_end`` starts.
-_OPENS = r"(?:[A-Za-z_][\w.]{0,100}+)?(?=[\[{(])|[bBrRuUfF]{1,2}+(?=[\"'])"
-# What a container's scan steps on: a bracket, or a quoted string skipped whole (escapes
-# honoured; one never closed runs to the text's end).
-_CONTAINER_TOKEN = re.compile(r"[\[\]{}()]|\"(?:[^\"\\]++|\\[\s\S]?)*+\"?|'(?:[^'\\]++|\\[\s\S]?)*+'?")
-# name=value (query strings, form bodies, prose ``password = x``); the value ends at &, ;, #,
-# a comma, whitespace or a quote, or is quoted itself (to its closing quote, or the line's end),
-# or holds containers (``open``: each to its matching close).
+# (``OrderedDict([...])``, ``SecretStr('x')``). It ends at the bracket, where ``_container_end``
+# starts.
+_OPENS = r"(?:[A-Za-z_][\w.]{0,100}+)?(?=[\[{(])"
+# Where a value that is a quoted string opens (``_strings_end`` reads it): maybe prefixed
+# (``b'x'``), maybe escaped inside another string, at one of the levels ``_LEVELS`` knows
+# (``\"x\"``: JSON inside a JSON string; ``\'x\'``: a repr inside a repr).
+_ESCAPES = r"(?:\\{15}|\\{7}|\\{3}|\\)?+"
+_STRING_AHEAD = rf"(?=[bBrRuUfF]{{0,2}}+{_ESCAPES}[\"'])"
+_STRING = re.compile(rf"(?P<prefix>[bBrRuUfF]{{0,2}}+)(?P<q>\"\"\"|'''|{_ESCAPES}[\"'])")
+# The escape level of a quote with this many backslashes before it: each level escapes the one
+# inside it once, so a string's quote at level n has 2**n - 1.
+_LEVELS = {0: 0, 1: 1, 3: 2, 7: 3, 15: 4}
+# A string's body after its opening quote, escapes honoured, to its closing quote or the text's end.
+_BODY = {
+    '"': re.compile(r'(?:[^"\\]++|\\[\s\S]?)*+"?'),
+    "'": re.compile(r"(?:[^'\\]++|\\[\s\S]?)*+'?"),
+    '"""': re.compile(r'(?:[^"\\]++|\\[\s\S]?|"(?!""))*+(?:"""|\Z)'),
+    "'''": re.compile(r"(?:[^'\\]++|\\[\s\S]?|'(?!''))*+(?:'''|\Z)"),
+}
+# What an escaped string's scan steps on: a run of backslashes ending in a quote (whether it
+# opens or closes a string depends on the run's length, ``_delimits``), and in a container a bracket.
+_QUOTE_RUN = re.compile(r"(?<!\\)\\*+[\"']")
+_ESCAPED_TOKEN = re.compile(r"[\[\]{}()]|(?<!\\)\\*+[\"']")
+# What separates two strings Python joins (``'ab' 'cd'``; across lines as pprint wraps them).
+_ADJACENT = re.compile(rf"\s*+{_STRING_AHEAD}")
+# After a string: it is the next member's (or pair's) name, no part of the value before it.
+_NAME_SEP = re.compile(r"[ \t]*+[:=]")
+# What a container's scan steps on: a bracket, or a quoted string skipped whole (triple-quoted
+# too; escapes honoured; one never closed runs to the text's end).
+_CONTAINER_TOKEN = re.compile(
+    r"[\[\]{}()]|\"\"\"(?:[^\"\\]++|\\[\s\S]?|\"(?!\"\"))*+(?:\"\"\"|\Z)|'''(?:[^'\\]++|\\[\s\S]?|'(?!''))*+(?:'''|\Z)"
+    r"|\"(?:[^\"\\]++|\\[\s\S]?)*+\"?|'(?:[^'\\]++|\\[\s\S]?)*+'?"
+)
+# name=value (query strings, form bodies, prose ``password = x``, Ruby's and PHP's
+# ``password => x``); the value ends at &, ;, #, a comma, whitespace or a quote, or is a quoted
+# string (to its closing quote, escapes honoured, with the strings adjacent to it), or holds
+# containers (``open``: each to its matching close).
 # Only ``name=`` is consumed (``_named``): the value is read for a secret name alone, so the
 # value of another name (``note="retry password=x"``, ``note=password=x``) is scanned too.
-_PAIR = re.compile(rf"(?<![{_NAME_CHARS}])(?P<name>[{_NAME_CHARS}]{{1,200}})(?P<eq>[ \t]*+=[ \t]*+)")
-_PAIR_VALUE = re.compile(rf"(?P<open>{_OPENS})|\"[^\"\n]*+\"?|'[^'\n]*+'?|(?P<bare>[^&;#\s'\",]++)")
-# "name": "value", 'name': 'value' (JSON quoted in an error, a Python repr), a container or a
-# bare value. The value is matched in a look-ahead: a member consumes its value only when it is
-# replaced (``_members``), so a quote in another member's value may open the next name.
+_PAIR = re.compile(rf"(?<![{_NAME_CHARS}])(?P<name>[{_NAME_CHARS}]{{1,200}})(?P<eq>[ \t]*+=>?[ \t]*+)")
+_PAIR_VALUE = re.compile(rf"(?P<open>{_OPENS})|(?P<string>{_STRING_AHEAD})|(?P<bare>[^&;#\s'\",]++)")
+# "name": "value", 'name': 'value' (JSON quoted in an error, a Python repr; escaped inside
+# another string too: ``{\"password\": \"x\"}``), also with ``=>`` or ``=`` (PHP, Ruby, TOML):
+# a string, a container or a bare value. What the value is, is seen in a look-ahead: a member
+# reads its value only when it is replaced (``_members``), so a quote in another member's value
+# may open the next name.
+_PLAIN = r"\"(?:[^\"\\]++|\\[\s\S])*+\"|'(?:[^'\\]++|\\[\s\S])*+'"
 _MEMBER = re.compile(
-    r"(?P<q>[\"'])(?P<name>[^\"'\\\n]{1,100})(?P=q)[ \t]*:[ \t]*"
-    r"(?=\"(?P<dq>(?:[^\"\\]++|\\.)*+)\"|'(?P<sq>(?:[^'\\]++|\\.)*+)'"
-    rf"|(?P<open>{_OPENS})|(?P<bare>[^\s,}}\]\"']++))"
+    rf"(?<!\\)(?P<q>{_ESCAPES}[\"'])(?P<name>[^\"'\\\n]{{1,100}})(?P=q)(?P<sep>[ \t]*+(?::|=>?)[ \t]*+)"
+    # A plain string (most values) is read here, in one step, when no string follows it but the
+    # next member's name (``_strings_end`` joins any other).
+    rf"(?=(?P<plain>{_PLAIN})(?=\s*+(?:{_PLAIN})[ \t]*+[:=]|(?!\s*+[bBrRuUfF]{{0,2}}+\\*+[\"']))"
+    rf"|(?P<string>{_STRING_AHEAD})|(?P<open>{_OPENS})|(?P<bare>[^\s,}}\]\"']++))"
 )
+# What a member with ``=`` or ``=>`` needs: a quote before it (the members pass runs only then).
+_MEMBER_EQ = re.compile(r"[\"'][ \t]*+=")
 # A member's value that holds containers, read from its start.
-_MEMBER_VALUE = re.compile(rf"(?P<open>{_OPENS})|(?P<bare>[^\s,}}\]\"']++)")
+_MEMBER_VALUE = re.compile(rf"(?P<open>{_OPENS})|(?P<string>{_STRING_AHEAD})|(?P<bare>[^\s,}}\]\"']++)")
 # Name: value on a header line (the rest of the line, or further when a container or a quoted
 # string opens it; a YAML key, maybe quoted or a list item's, whose value may be the block below
 # it), or inside a sentence (up to a space or quote, or a container or quoted string whole).
@@ -110,11 +171,11 @@ _HEADER = re.compile(
 # maybe after a YAML tag or anchor (``!!binary |``, ``&db``); or none.
 _BLOCK_OPENER = re.compile(r"(?:[!&][^ \t]*+[ \t]*+){0,2}(?:[|>][0-9+\-]{0,2}+)?[ \t]*+(?:#.*)?")
 # A header's value that may run on past its line: a container, or a quoted string.
-_HEADER_OPENS = re.compile(rf"{_OPENS}|(?=[\"'])")
+_HEADER_OPENS = re.compile(rf"(?P<open>{_OPENS})|(?P<string>{_STRING_AHEAD})")
 # A line of such a block: its indentation, and whether it is a YAML item (``- x``) or blank.
 _LINE = re.compile(r"\n(?P<indent>[ \t]*+)(?:(?P<item>-)(?=[ \t\r\n]|\Z)|(?P<blank>(?=\r?\n|\r?\Z)))?")
 _INLINE_HEADER = re.compile(r"(?<![A-Za-z0-9_%\-])(?P<name>[A-Za-z0-9_%\-]{1,100})(?P<eq>:[ \t]*+)")
-_INLINE_VALUE = re.compile(rf"(?P<open>{_OPENS}|(?=[\"']))|(?P<bare>[^\s'\",;]++)")
+_INLINE_VALUE = re.compile(rf"(?P<open>{_OPENS})|(?P<string>{_STRING_AHEAD})|(?P<bare>[^\s'\",;]++)")
 # Bearer abc, Basic abc anywhere in a text; Token abc1 only with a digit in it ("token expired" is prose).
 _CREDENTIAL = re.compile(
     r"\b(?P<scheme>bearer|basic)(?P<gap>\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)"
@@ -140,6 +201,39 @@ _TAG = re.compile(
 _CLOSE_TAG = re.compile(rf"</(?=[\w.\-:]{{0,100}}?(?i:{'|'.join(_NAMED)}))([A-Za-z_][\w.\-:]{{0,100}}+)")
 # What ends a CDATA section, a comment.
 _OPAQUE_END = {"![CDATA[": "]]>", "!--": "-->"}
+# A name whose value names the secret its siblings hold: ``{"name": "password", "value": "x"}``,
+# ``<add key="ApiKey" value="x"/>``, ``{"Key": ..., "Value": ...}``, ``ParameterKey``.
+_NAMING_WORD = r"(?i:(?:param(?:eter)?|attribute|field|setting|var(?:iable)?)?[-_]?(?:name|key))"
+_NAMING = re.compile(_NAMING_WORD)
+# A tag with attributes, whose name or attributes hold a part of a secret name (the look-ahead
+# stops at the next ``<`` or ``>``, so each character is looked at from one ``<`` only), and its
+# attributes, a value quoted (to its closing quote, or the text's end) or bare.
+_ATTRIBUTE = r"""\s*+(?P<name>[^\s=<>"'/]{1,100}+)(?:\s*+=\s*+(?P<value>"[^"]*+"?|'[^']*+'?|[^\s"'<>]++))?"""
+_ATTRIBUTED_TAG = re.compile(
+    rf"<(?=[^<>]*?(?i:{'|'.join(_NAMED)}))(?P<tag>[A-Za-z_][\w.\-:]{{0,100}}+)(?P<attributes>\s(?:{_ATTRIBUTE.replace('?P<name>', '').replace('?P<value>', '')})++)"
+)
+_ATTRIBUTE_RE = re.compile(_ATTRIBUTE)
+# An attribute that names its element's secret (``key="ApiKey"``), and the name it gives.
+_NAMING_ATTRIBUTE = re.compile(
+    rf"""(?<![^\s])(?:[\w.\-]{{1,50}}:)?{_NAMING_WORD}"""
+    r"""\s*+=\s*+(?:"(?P<dq>[^"<>]{1,100})"|'(?P<sq>[^'<>]{1,100})'|(?P<bare>[^\s"'<>]{1,100}))"""
+)
+# What the sibling pass steps on: a bracket, or a string skipped whole, a member's name when a
+# separator follows it. A string ends at its line's end at the latest, and an apostrophe in a
+# word (``it's``) opens none, so a stray quote in prose hides no object on another line from it.
+_OBJECT_TOKEN = re.compile(
+    r"[\[\]{}()]|(?P<string>\"(?:[^\"\\\n]++|\\[^\n]?)*+\"?|(?<![A-Za-z0-9])'(?:[^'\\\n]++|\\[^\n]?)*+'?)"
+    r"(?P<sep>[ \t]*+(?::|=>?)[ \t]*+)?"
+)
+# A member whose string value may name a secret (the sibling pass runs only if one does).
+_NAMING_MEMBER = re.compile(
+    rf"([\"']){_NAMING_WORD}\1[ \t]*+(?::|=>?)[ \t]*+([\"'])(?P<named>[^\"'\\\n]{{1,100}})\2"
+)
+# An INI or TOML section's header line (``[password]``, ``[[servers.auth]]``), maybe with a
+# comment; a line's start is found as the ``\n`` before it (a literal the engine searches fast).
+_SECTION = r"[ \t]*+\[{1,2}+(?P<section>[^\[\]\r\n]{1,200}+)\]{1,2}+[ \t]*+(?:[#;][^\r\n]*+)?\r?(?=\n|\Z)"
+_FIRST_SECTION = re.compile(_SECTION)
+_SECTION_LINE = re.compile(rf"\n{_SECTION}")
 
 
 @functools.lru_cache(maxsize=1024)  # text repeats its names: a tag, a header per line
@@ -187,12 +281,54 @@ def scrub(text: str, secrets: list[str]) -> str:
     return text
 
 
-def _container_end(text: str, at: int) -> int:
+def _delimits(run: str, level: int) -> bool:
+    """Say whether a run of backslashes and the quote after it opens or closes a string escaped
+    ``level`` times: a quote escaped once more than that is the string's content, a backslash
+    escaped is a backslash (at level 1: ``\\"`` closes, ``\\\\\\"`` is a quote inside it)."""
+    return (len(run) - 1) % (2 << level) == (1 << level) - 1
+
+
+def _string_end(text: str, opened: re.Match[str]) -> int:
+    """Return where the quoted string ``opened`` opens (maybe prefixed, triple-quoted or escaped)
+    ends: after its closing quote, escapes honoured, or at the text's end if it is never closed.
+    Linear: one pass over what its caller then skips as replaced."""
+    q = opened["q"]
+    if q in _BODY:
+        found = _BODY[q].match(text, opened.end())
+        return found.end() if found is not None else len(text)
+    level = _LEVELS[len(q) - 1]
+    return next((run.end() for run in _QUOTE_RUN.finditer(text, opened.end())
+                 if run.group()[-1] == q[-1] and _delimits(run.group(), level)), len(text))
+
+
+def _strings_end(text: str, at: int) -> int:
+    """Return where the quoted string at ``at`` ends, with the strings of its escape level
+    adjacent to it that Python joins to it (``'ab' 'cd'``, across lines as pprint wraps them); a
+    string followed by ``:`` or ``=`` is the next name, no part of this value."""
+    first = _STRING.match(text, at)
+    if first is None:
+        return at
+    end = _string_end(text, first)
+    while (gap := _ADJACENT.match(text, end)) is not None:
+        part = _STRING.match(text, gap.end())
+        if part is None or part["q"].count("\\") != first["q"].count("\\"):
+            break  # a quote of another escape level: another string's
+        after = _string_end(text, part)
+        if _NAME_SEP.match(text, after):
+            break
+        end = after
+    return end
+
+
+def _container_end(text: str, at: int, level: int = 0) -> int:
     """Return where the container (or quoted string) opening at ``at`` ends: after its matching
     close, brackets counted and quoted strings skipped whole with their escapes, so a bracket or
-    quote inside a string closes nothing. A container never closed ends at the text's end: a
-    cut-off text hides too much, never too little. Linear: one pass over what its caller then
-    skips as replaced."""
+    quote inside a string closes nothing; in a text escaped ``level`` times, its strings are
+    those ``_delimits`` says. A container never closed ends at the text's end: a cut-off text
+    hides too much, never too little. Linear: one pass over what its caller then skips as
+    replaced."""
+    if level:
+        return _escaped_container_end(text, at, level)
     depth = 0
     for token in _CONTAINER_TOKEN.finditer(text, at):
         kind = text[token.start()]
@@ -205,17 +341,40 @@ def _container_end(text: str, at: int) -> int:
     return len(text)
 
 
-def _value_end(text: str, at: int, value: re.Pattern[str]) -> int | None:
+def _escaped_container_end(text: str, at: int, level: int) -> int:
+    """Return where a container escaped ``level`` times (``{\\"v\\": \\"x}\\"}``) ends, as
+    ``_container_end`` does: a bracket counts outside its strings only."""
+    depth = 0
+    quote = ""  # the quote of the string the scan is in
+    for token in _ESCAPED_TOKEN.finditer(text, at):
+        run = token.group()
+        if run[-1] in "\"'":
+            if (not quote or run[-1] == quote) and _delimits(run, level):
+                quote = "" if quote else run[-1]
+            continue
+        if quote:
+            continue
+        depth += 1 if run in "[{(" else -1
+        if depth <= 0:
+            return token.end()
+    return len(text)
+
+
+def _value_end(text: str, at: int, value: re.Pattern[str], level: int = 0) -> int | None:
     """Return where a secret name's value starting at ``at`` ends (None: nothing to hide): what
-    ``value`` reads, a container to its close, and what follows a container directly (another,
-    a bare run: ``SecretStr('x')[0]``), so no part of the value is left next to the REDACTED."""
+    ``value`` reads, a string with the strings adjacent to it, a container to its close, and
+    what follows either directly (another, a bare run: ``SecretStr('x')[0]``), so no part of the
+    value is left next to the REDACTED."""
     found = value.match(text, at)
     if found is None:
         return None
     end = found.end()
-    while found is not None and found["open"] is not None:
-        end = _container_end(text, found.end())
+    while found is not None and found["bare"] is None:
+        string = found["string"] is not None
+        end = _strings_end(text, end) if string else _container_end(text, end, level)
         found = value.match(text, end)
+        if string and found is not None and found["string"] is not None:
+            break  # a quote right after a string's, of another escape level (an outer string's close)
         if found is not None and found["bare"] is not None:
             end = found.end()
     return end if _hidden(text[at:end]) else None
@@ -253,27 +412,31 @@ def _replace_values(text: str, head: re.Pattern[str], replaced: Callable[[re.Mat
 
 
 def _member(m: re.Match[str]) -> tuple[str, int] | None:
-    """Return a secret member's replacement and where its value ends (None: leave it)."""
+    """Return a secret member's replacement and where its value ends (None: leave it): a string
+    stays quoted as it was (``"password": "********"``), anything else is replaced bare."""
     if not _secret(m["name"]):
         return None
-    q = m["q"]
-    if m["dq"] is not None:
-        return f'{q}{m["name"]}{q}: "{REDACTED}"', m.end("dq") + 1
-    if m["sq"] is not None:
-        return f"{q}{m['name']}{q}: '{REDACTED}'", m.end("sq") + 1
-    if m["open"] is not None:
-        end = _value_end(m.string, m.start("open"), _MEMBER_VALUE)
-        return None if end is None else (f"{q}{m['name']}{q}: {REDACTED}", end)
-    return (f"{q}{m['name']}{q}: {REDACTED}", m.end("bare")) if _hidden(m["bare"]) else None
+    text, q, plain = m.string, m["q"], m["plain"]
+    if plain is not None:
+        return f"{q}{m['name']}{q}{m['sep']}{plain[0]}{REDACTED}{plain[0]}", m.end("plain")
+    head = f"{q}{m['name']}{q}{m['sep']}"
+    if m["bare"] is not None:
+        return (f"{head}{REDACTED}", m.end("bare")) if _hidden(m["bare"]) else None
+    string = _STRING.match(text, m.end())
+    if string is not None and not string["prefix"]:
+        # Kept quoted, so what follows its closing quote (maybe the next name) is read as text.
+        last = _strings_end(text, m.end())
+        return (f"{head}{string['q']}{REDACTED}{string['q']}", last) if _hidden(text[m.end():last]) else None
+    end = _value_end(text, m.end(), _MEMBER_VALUE, _LEVELS[len(q) - 1])
+    return None if end is None else (f"{head}{REDACTED}", end)
 
 
 def _members(text: str) -> str:
     """Replace the value of every secret-named member. A member whose name is not secret consumes
     only its name, so what its value holds is scanned too: in ``':':'\n'password': 'x'`` the
     value of the member ``':'`` would otherwise take the quote that opens ``'password'``. A
-    replaced quoted value's closing quote may open the next name; a replaced container is skipped
-    whole. Linear: a value's look-ahead stops at its first quote, a member inside it can only
-    begin at an escaped quote and end at that one, and a container is scanned once."""
+    replaced string's closing quote may open the next name; a replaced value is skipped whole.
+    Linear: a value is read only after a secret name, and once."""
     out: list[str] = []
     done = at = 0
     while (m := _MEMBER.search(text, at)) is not None:
@@ -285,7 +448,7 @@ def _members(text: str) -> str:
         reuse = bool(out) and m.start() == done - 1
         out += [text[done:m.start()], new[1:] if reuse else new]
         done = end
-        at = end - 1 if m["dq"] is not None or m["sq"] is not None else end
+        at = end - 1 if new[-1] == text[end - 1] in "\"'" else end
     return "".join(out) + text[done:] if out else text
 
 
@@ -325,8 +488,8 @@ def _header_end(text: str, m: re.Match[str]) -> int | None:
     opens = _HEADER_OPENS.match(text, m.start("value"))
     if opens is None:
         return m.end()
-    # As a value on one line, it runs on to the end of the line its container closes on.
-    close = _container_end(text, opens.end())
+    # As a value on one line, it runs on to the end of the line its container or string closes on.
+    close = _container_end(text, opens.end()) if opens["open"] is not None else _strings_end(text, opens.end())
     line_end = text.find("\n", close)
     return len(text) if line_end < 0 else line_end - (text[line_end - 1] == "\r")
 
@@ -341,6 +504,136 @@ def _headers(text: str) -> str:
         return None if end is None else (f"{m['lead']}{m['q']}{m['name']}{m['q']}: {REDACTED}", end)
 
     return _replace_values(text, _HEADER, replaced)
+
+
+def _section_spans(text: str) -> list[tuple[int, int]]:
+    """Return the body of every secret-named INI or TOML section (``[password]``, ``[auth]``):
+    its lines to the next section's header, or to the text's end (blank lines do not end a
+    section); blank lines before the next header are left out. Linear: the headers are found in
+    one pass."""
+    spans: list[tuple[int, int]] = []
+    body = -1  # where the body of the secret section just read starts (-1: none)
+    first = _FIRST_SECTION.match(text)
+    for header in itertools.chain([first] if first else [], _SECTION_LINE.finditer(text)):
+        start = header.start() + (header is not first)
+        if body >= 0 and text[body:start].strip():
+            spans.append((body, start))
+        body = header.end() + 1 if header.end() < len(text) and _secret(header["section"].strip()) else -1
+    if body >= 0:
+        spans.append((body, len(text)))
+    return [(start, start + len(text[start:end].rstrip())) for start, end in spans]
+
+
+def _attribute_spans(text: str) -> list[tuple[int, int]]:
+    """Return the attribute values of every element that is a secret's: its name is secret
+    (``<password value="x"/>``) or its name or key attribute names one (``<add key="ApiKey"
+    value="x"/>``). Every attribute but the naming ones and namespace declarations is the
+    secret's. Linear: a tag's attributes are read in one match, and again only if it is a
+    secret's; a quoted value spans at most one other tag's values (of the other quote), so no
+    character is read more than a few times."""
+    spans: list[tuple[int, int]] = []
+    for tag in _ATTRIBUTED_TAG.finditer(text):
+        start, end = tag.span("attributes")
+        if not _secret(tag["tag"].rpartition(":")[2]) and not any(
+            _secret(named["dq"] or named["sq"] or named["bare"]) for named in _NAMING_ATTRIBUTE.finditer(text, start, end)
+        ):
+            continue
+        spans += [
+            (first + 1, last - (last - first > 1 and text[last - 1] == text[first])) if text[first] in "\"'" else (first, last)
+            for first, last in (a.span("value") for a in _ATTRIBUTE_RE.finditer(text, start, end) if a["value"] is not None
+                                and not _kept_attribute(a["name"]))
+        ]  # a quoted value: what it holds, its quotes kept
+    return spans
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_attribute(name: str) -> bool:
+    """Say whether a secret element's attribute is no part of its secret: the one naming it, a
+    namespace declaration."""
+    return name == "xmlns" or name.startswith("xmlns:") or bool(_NAMING.fullmatch(name.rpartition(":")[2]))
+
+
+class _Object:
+    """What the sibling pass knows of a container it is in: whether a member names its secret,
+    the values of its other members, where the member's value it is starts (-1: none) and where
+    the member just read has its container value open."""
+
+    __slots__ = ("named", "values", "owner", "opens")
+
+    def __init__(self, owner: int) -> None:
+        self.named = False
+        self.values: list[tuple[int, int]] = []
+        self.owner = owner
+        self.opens = (-1, -1)  # the value's start, its bracket
+
+
+def _sibling_spans(text: str) -> list[tuple[int, int]]:
+    """Return the member values of every object a sibling names the secret of: a ``name`` or
+    ``key`` member (``_NAMING``) whose value is a secret name (``{"name": "password", "value":
+    "x"}``, ``{'Key': 'token', 'Value': 'x'}``, in any order): every other member's value in that
+    object, a container whole. Linear: runs only when such a member is found, then steps on each
+    bracket and string once; a member's value that is a string or bare is read once and skipped."""
+    lowered = text.lower()
+    if ("name" not in lowered and "key" not in lowered) or not any(
+        _secret(m["named"]) for m in _NAMING_MEMBER.finditer(text)
+    ):
+        return []
+    spans: list[tuple[int, int]] = []
+    objects = [_Object(-1)]
+    at = 0
+    while (token := _OBJECT_TOKEN.search(text, at)) is not None:
+        at = token.end()
+        current = objects[-1]
+        kind = text[token.start()]
+        if token["sep"] is not None:  # a member's name
+            value = _MEMBER_VALUE.match(text, at)
+            if value is None:
+                continue
+            if value["open"] is not None:
+                current.opens = (at, value.end())
+                continue
+            end = value.end() if value["bare"] is not None else _strings_end(text, at)
+            name = token["string"].strip("\"'")
+            if value["string"] is not None and _NAMING.fullmatch(name) and _secret(text[at:end][:102].strip("\"'")):
+                current.named = True
+            elif value["string"] is not None and end - at >= 2 and text[end - 1] == text[at] and not text[at].isalpha():
+                current.values.append((at + 1, end - 1))  # a string: what it holds, its quotes kept
+            else:
+                current.values.append((at, end))
+            at = end
+        elif kind in "[{(":
+            owner = current.opens[0] if current.opens[1] == token.start() else -1
+            current.opens = (-1, -1)
+            objects.append(_Object(owner))
+        elif kind in "]})" and len(objects) > 1:
+            objects.pop()
+            if current.named:
+                spans += current.values
+            if current.owner >= 0:
+                objects[-1].values.append((current.owner, token.end()))
+    # Containers never closed run to the text's end.
+    for inner, outer in zip(objects[:0:-1], objects[-2::-1], strict=True):
+        if inner.named:
+            spans += inner.values
+        if inner.owner >= 0:
+            outer.values.append((inner.owner, len(text)))
+    return spans + objects[0].values if objects[0].named else spans
+
+
+def _replace_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    """Replace each span of text with REDACTED, those that overlap or touch as one, and those
+    that say there is no secret (empty, ``None``) left as they are."""
+    out: list[str] = []
+    done = first = last = 0
+    for start, end in [*sorted(spans), (len(text) + 1, 0)]:
+        if start <= last and last > first:  # overlaps or touches the span before it
+            last = max(last, end)
+            continue
+        if last > first and _hidden(text[first:last].strip()):
+            out += [text[done:first], REDACTED]
+            done = last
+        first, last = start, end
+    return "".join(out) + text[done:] if out else text
 
 
 def _tags(text: str) -> Iterator[tuple[int, re.Match[str]]]:
@@ -368,7 +661,8 @@ def _element_spans(text: str) -> list[tuple[int, int]]:
     close tag of the same name that pairs with it as nesting pairs them, or to the text's end if
     none does. A CDATA section or a comment is a scope of its own (its tags pair only with each
     other), so ``<password><![CDATA[</password>x]]></password>`` hides ``x``. An open tag whose
-    name no close tag has runs to the end: the pass stops there. Empty contents are left out."""
+    name no close tag has runs to the next tag if that is a close tag, else to the end (the pass
+    stops there). Empty contents are left out."""
     spans: list[tuple[int, int]] = []
     opened: dict[tuple[int, str], list[int]] = {}
     closed = set(_CLOSE_TAG.findall(text))
@@ -377,9 +671,18 @@ def _element_spans(text: str) -> list[tuple[int, int]]:
         if empty or not _secret(name.rpartition(":")[2]):
             continue
         if not close:
-            opened.setdefault((scope, name), []).append(tag.end())
             if name not in closed:
+                # Never closed: XML text holds no ``<``, so if the next tag closes another
+                # element, the text ends there; if it opens a child, a CDATA section or a
+                # comment, or no tag follows, it runs to the end and the pass stops.
+                following = text.find("<", tag.end())
+                if scope == 0 and text.startswith("</", following):
+                    if following > tag.end():
+                        spans.append((tag.end(), following))
+                    continue
+                opened.setdefault((scope, name), []).append(tag.end())
                 break
+            opened.setdefault((scope, name), []).append(tag.end())
         elif (starts := opened.get((scope, name))) and (start := starts.pop()) < tag.start():
             spans.append((start, tag.start()))
     # Each element never closed runs to the end: the first holds all the others.
@@ -391,19 +694,7 @@ def _elements(text: str) -> str:
     """Replace the content of every secret-named element, whatever it holds (children, CDATA,
     comments, mixed text); contents that overlap or touch, as nested or malformed markup makes
     them, are replaced as one."""
-    merged: list[list[int]] = []
-    for start, end in sorted(_element_spans(text)):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    out: list[str] = []
-    done = 0
-    for start, end in merged:
-        if _hidden(text[start:end].strip()):
-            out += [text[done:start], REDACTED]
-            done = end
-    return "".join(out) + text[done:] if out else text
+    return _replace_spans(text, _element_spans(text))
 
 
 def _redact_text(text: str, secrets: list[str]) -> str:
@@ -422,11 +713,18 @@ def _redact_text(text: str, secrets: list[str]) -> str:
     if any(word in lowered for word in _SCHEMES):
         text = _CREDENTIAL.sub(lambda m: f"{m['scheme'] or m['tscheme']}{m['gap'] or m['tgap']}{REDACTED}", text)
     if any(word in lowered for word in _NAMED):
+        quoted = '"' in text or "'" in text
+        if "[" in text:
+            text = _replace_spans(text, _section_spans(text))
+        if "<" in text and "=" in text:
+            text = _replace_spans(text, _attribute_spans(text))
+        if quoted:  # before a member named ``key`` hides the name it gives its siblings
+            text = _replace_spans(text, _sibling_spans(text))
         if "=" in text:
             text = _named(text, _PAIR, _PAIR_VALUE)
+        if quoted and (":" in text or _MEMBER_EQ.search(text) is not None):
+            text = _members(text)
         if ":" in text:
-            if '"' in text or "'" in text:
-                text = _members(text)
             text = _headers(text)
             text = _named(text, _INLINE_HEADER, _INLINE_VALUE, sep=": ")
         if "<" in text:

@@ -51,12 +51,13 @@ def test_redact_text_hides_secret_values_and_keeps_the_rest(text, expected):
         # XML: the whole content of a secret-named element, to its own close tag.
         ("<password><value>hunter2zz</value></password><user>ann</user>", f"<password>{REDACTED}</password><user>ann</user>"),
         ("<password><![CDATA[hunter2zz]]></password><user>ann</user>", f"<password>{REDACTED}</password><user>ann</user>"),
-        ('<ns:ApiKey a="1"><v>hunter2zz</v></ns:ApiKey><n>1</n>', f'<ns:ApiKey a="1">{REDACTED}</ns:ApiKey><n>1</n>'),
+        # A secret element's attributes are the secret's too.
+        ('<ns:ApiKey a="1"><v>hunter2zz</v></ns:ApiKey><n>1</n>', f'<ns:ApiKey a="{REDACTED}">{REDACTED}</ns:ApiKey><n>1</n>'),
         ("<secret>hun<b/>ter2zz</secret> sent", f"<secret>{REDACTED}</secret> sent"),
         ("<key><key>a</key>hunter2zz</key><n>1</n>", f"<key>{REDACTED}</key><n>1</n>"),
         ("<password><![CDATA[</password>hunter2zz]]></password><n>1</n>", f"<password>{REDACTED}</password><n>1</n>"),
         ("<password><!-- </password> -->hunter2zz</password><n>1</n>", f"<password>{REDACTED}</password><n>1</n>"),
-        ('<password a="/>">hunter2zz</password><n>1</n>', f'<password a="/>">{REDACTED}</password><n>1</n>'),
+        ('<password a="/>">hunter2zz</password><n>1</n>', f'<password a="{REDACTED}">{REDACTED}</password><n>1</n>'),
         ("<note><password>hunter2zz</password></note>", f"<note><password>{REDACTED}</password></note>"),
         ("body: <data><password>hunter2zz", f"body: <data><password>{REDACTED}"),  # cut off: to the end
         # JSON and Python reprs: the whole container, to its matching bracket.
@@ -152,3 +153,87 @@ def test_a_real_workers_log_lines_carry_no_secret(procs):
     assert f"call={call.id}" in logs and "api_key=********" in logs
     leaks = [line for line in logs.splitlines() if "SEKRIT-1" in line or "LEAK-" in line]
     assert leaks == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # JSON or a repr escaped inside another string: names and values in escaped quotes.
+        ('"{\\"password\\": \\"hunter2zz\\", \\"user\\": \\"ann\\"}"', f'"{{\\"password\\": \\"{REDACTED}\\", \\"user\\": \\"ann\\"}}"'),
+        ('{\\"api_key\\":\\"hunter2zz\\",\\"n\\":1}', f'{{\\"api_key\\":\\"{REDACTED}\\",\\"n\\":1}}'),
+        ("repr: '{\\'token\\': \\'hunter2zz\\'}' sent", f"repr: '{{\\'token\\': \\'{REDACTED}\\'}}' sent"),
+        ('{\\\\\\"token\\\\\\": \\\\\\"hunter2zz\\\\\\"} sent', f'{{\\\\\\"token\\\\\\": \\\\\\"{REDACTED}\\\\\\"}} sent'),  # escaped twice
+        ('{\\"password\\": {\\"v\\": \\"x}\\", \\"w\\": \\"hunter2zz\\"}, \\"user\\": \\"ann\\"}',
+         f'{{\\"password\\": {REDACTED}, \\"user\\": \\"ann\\"}}'),
+        ('{\\"password\\": \\"a\\\\\\"hunter2zz\\", \\"user\\": \\"ann\\"}', f'{{\\"password\\": \\"{REDACTED}\\", \\"user\\": \\"ann\\"}}'),
+        # An escaped quote inside a quoted value.
+        ('password="a\\"hunter2zz" user=ann', f"password={REDACTED} user=ann"),
+        ("password='a\\'hunter2zz' user=ann", f"password={REDACTED} user=ann"),
+        ('{"password": "a\\"hunter2zz", "user": "ann"}', f'{{"password": "{REDACTED}", "user": "ann"}}'),
+        ('cmd="login password=\\"hunter 2zz\\"" user=ann', f'cmd="login password={REDACTED}" user=ann'),
+        ('{"password": "hunter2zz', f'{{"password": "{REDACTED}"'),  # cut off: to the end
+        # Strings Python joins: every part.
+        ('password = "ab" "hunter2zz" user=ann', f"password = {REDACTED} user=ann"),
+        ("{'token': 'ab' 'hunter2zz', 'user': 'ann'}", f"{{'token': '{REDACTED}', 'user': 'ann'}}"),
+        ("{'token': 'ab'\n          'hunter2zz',\n 'user': 'ann'}", f"{{'token': '{REDACTED}',\n 'user': 'ann'}}"),  # pprint
+        ("{'token': 'ab'\n'user': 'ann'}", f"{{'token': '{REDACTED}'\n'user': 'ann'}}"),  # the next name is no part
+        # Triple-quoted strings, across lines.
+        ('password = """hunter2zz""" user=ann', f"password = {REDACTED} user=ann"),
+        ("secret='''x\nhunter2zz''' user=ann", f"secret={REDACTED} user=ann"),
+        ("{'token': '''a 'b'\nhunter2zz'''}", f"{{'token': '''{REDACTED}'''}}"),
+        ('password: """a\nhunter2zz"""\nuser: ann', f"password: {REDACTED}\nuser: ann"),
+        # => separators (Ruby, PHP, Perl) and = after a quoted name (TOML).
+        ('{"password" => "hunter2zz", "user" => "ann"}', f'{{"password" => "{REDACTED}", "user" => "ann"}}'),
+        ("{:api_key => 'hunter2zz', :user => 'ann'}", f"{{:api_key => {REDACTED}, :user => 'ann'}}"),
+        ("password => hunter2zz, user => ann", f"password => {REDACTED}, user => ann"),
+        ("['password'=>'hunter2zz', 'user'=>'ann']", f"['password'=>'{REDACTED}', 'user'=>'ann']"),
+        ('"api_key" = "hunter2zz"\nuser = "ann"', f'"api_key" = "{REDACTED}"\nuser = "ann"'),
+        # INI and TOML sections named secret: their lines, to the next section.
+        ("[password]\nvalue = hunter2zz\n\n[db]\nhost = h", f"[password]\n{REDACTED}\n\n[db]\nhost = h"),
+        ("[auth]\nuser = u\n\nvalue = hunter2zz\n[db]\nhost = h", f"[auth]\n{REDACTED}\n[db]\nhost = h"),
+        ("[[servers.credentials]]\nv = 'hunter2zz'", f"[[servers.credentials]]\n{REDACTED}"),
+        # A secret named by a sibling: .NET config, name/value pair objects.
+        ('<add key="ApiKey" value="hunter2zz"/><add key="Timeout" value="30"/>',
+         f'<add key={REDACTED} value="{REDACTED}"/><add key={REDACTED} value="30"/>'),
+        ('<param name="token" type="x" value="hunter2zz"/>', f'<param name="token" type="{REDACTED}" value="{REDACTED}"/>'),
+        ('[{"name": "password", "value": "hunter2zz"}, {"name": "user", "value": "ann"}]',
+         f'[{{"name": "password", "value": "{REDACTED}"}}, {{"name": "user", "value": "ann"}}]'),
+        ('{"value": "hunter2zz", "Name": "DB_PASSWORD"}', f'{{"value": "{REDACTED}", "Name": "DB_PASSWORD"}}'),
+        ('{"Name": "api_key", "Value": {"v": "hunter2zz"}, "n": 1}', f'{{"Name": "api_key", "Value": {REDACTED}, "n": {REDACTED}}}'),
+        ("{'key': 'token', 'val': 'hunter2zz'}", f"{{'key': '{REDACTED}', 'val': '{REDACTED}'}}"),
+        ('{"ParameterKey": "DbPassword", "ParameterValue": "hunter2zz"}', f'{{"ParameterKey": "DbPassword", "ParameterValue": "{REDACTED}"}}'),
+        ('{"name": "password", "value": "hunter2zz', f'{{"name": "password", "value": {REDACTED}'),  # cut off
+        # A secret element's attributes.
+        ('<password value="hunter2zz"/><n>1</n>', f'<password value="{REDACTED}"/><n>1</n>'),
+        ("<token v='hunter2zz'>", f"<token v='{REDACTED}'>"),
+        ('<ApiKey Value="hunter2zz" xmlns="urn:x"></ApiKey><n>1</n>', f'<ApiKey Value="{REDACTED}" xmlns="urn:x"></ApiKey><n>1</n>'),
+        ('<password value="hunter2zz', f'<password value="{REDACTED}'),  # cut off
+        # A secret element never closed: to the next tag when that closes another element.
+        ("<data><token>hunter2zz</data><user>ann</user>", f"<data><token>{REDACTED}</data><user>ann</user>"),
+        ("<token>hunter2zz<v>x</v></data><user>ann</user>", f"<token>{REDACTED}"),  # a child: to the end
+    ],
+)
+def test_escaped_joined_sectioned_and_sibling_named_secrets_are_hidden_and_the_rest_stays(text, expected):
+    assert redact_text(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    '{"name": "username", "value": "bob"}', '[{"Name": "Timeout", "Value": "30"}]', '{"name": "region", "value": "eu"}',
+    "[database]\nhost = h\nport = 5432", "[section]\nvalue = 30", '<item name="colour" value="red"/>',
+    '{\\"user\\": \\"bob\\", \\"n\\": \\"a\\\\\\"b\\"}', 'note = "ab" "cd"', "x => y", '<user id="7">ann</user>',
+    "see [token] in the docs", "{'a': '''x\ny'''}",
+])
+def test_text_that_names_no_secret_keeps_its_values(text):
+    assert redact_text(text) == text
+
+
+def test_a_value_whose_key_names_no_secret_stays_though_the_key_itself_is_hidden():
+    # ``key`` is itself a secret name (``?key=AIza...``): the name it gives is hidden, not its sibling.
+    assert redact_text('<add key="Timeout" value="30"/>') == f'<add key={REDACTED} value="30"/>'
+    assert redact_text('{"key": "region", "value": "eu"}') == f'{{"key": "{REDACTED}", "value": "eu"}}'
+
+
+def test_an_unclosed_placeholder_in_prose_still_hides_the_rest_of_the_text():
+    # Its text could be a cut-off secret running over lines: no end short of the next tag is safe.
+    shown = redact_text("expected <token> in header, got Bearer hunter2zz\nretry later")
+    assert "hunter2zz" not in shown and shown.startswith("expected <token>")

@@ -138,6 +138,9 @@ values = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=6, 
 shapes = st.sampled_from([
     "{n}={v}", "{n} = {v}", '"{n}": "{v}"', "'{n}': '{v}'", "{n}: {v}", "<{n}>{v}</{n}>", "?a=1&{n}={v}&b=2",
     "error: {{'{n}': '{v}'}} refused", "{n}:{v}",
+    # escaped inside another string, an escaped quote in the value, joined, triple-quoted, ``=>``
+    '"{{\\"{n}\\": \\"{v}\\"}}"', "'{{\\'{n}\\': \\'{v}\\'}}'", '{n}="a\\"{v}"', "{n} = 'ab' '{v}'",
+    "{{'{n}': 'ab'\n '{v}'}}", '{n} = """a\n{v}"""', '"{n}" => "{v}"', "{n} => {v}",
 ])
 noise = st.text(alphabet=" \n\t,;&=:'\"<>/abcxyz", max_size=30)
 
@@ -184,12 +187,28 @@ containers = st.sampled_from([
     "{{'{n}': {{'a': ['{v}']}}}}", '{{"{n}": ["x", "{v}"]}}', "{{'{n}': ('x', '{v}')}}", '{{"{n}": {{"a": "]}}\\"", "b": "{v}"}}}}',
     "<{n}><a>{v}</a></{n}>", "<{n}><![CDATA[{v}]]></{n}>", "<{n}>x<b/>{v}</{n}>",
     "{n}:\n  - {v}", "{n}:\n  a: {v}", "{n}: |\n  {v}", '{n}: {{\n  "a": "{v}"\n}}', "note {n}: ['x', '{v}']",
+    "[{n}]\nvalue = {v}\nuser = {v}",  # an INI section (its header on a line of its own)
 ])
 
 
 @settings(max_examples=300, deadline=None)
 @given(names, values, containers, noise, noise)
 def test_a_secret_named_container_never_shows_what_it_holds(name, value, shape, before, after):
+    assert value not in redact_text(framed(name, value, shape, before, after))
+
+
+# A secret named by a sibling (a name/value pair object, .NET config), or in a secret element's
+# attributes.
+siblings = st.sampled_from([
+    '{{"name": "{n}", "value": "{v}"}}', "{{'Key': '{n}', 'Value': '{v}'}}", '[{{"value": "{v}", "Name": "{n}"}}]',
+    '{{"key": "{n}", "type": "s", "val": ["{v}"]}}', '<add key="{n}" value="{v}"/>', "<setting name='{n}' value='{v}'>",
+    '<{n} value="{v}"/>', "<{n} a='1' v='{v}'></{n}>",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(names, values, siblings, noise, noise)
+def test_a_secret_named_by_a_sibling_never_shows(name, value, shape, before, after):
     assert value not in redact_text(framed(name, value, shape, before, after))
 
 
