@@ -27,6 +27,9 @@ SHAPES = [
     "[password]\n", "[password]\nv=1\n", '"password" => "', "password => ", '<add key="ApiKey" value="',
     '{"name": "password", "value": "', '{"name": "password", "value": {', '<password value="x"/>', "<token> ",
     "<token></a>",
+    # an element a name attribute names secret, its content; form fields a sibling names secret
+    '<setting name="ApiKey"><v>', '<param name="password">', '<setting name="ApiKey"></a>',
+    "name=password&value=", "key=api_key&val=x&", "name=password&",
 ]
 
 

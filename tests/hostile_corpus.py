@@ -113,6 +113,15 @@ STRINGS: list[str] = [
     "<token> " * N,
     "<token></a>" * N,
     "<token>x</a>" * N,
+    # quadratic bait for an element a name attribute names secret, and form fields a sibling names
+    '<setting name="ApiKey"><v>' * N,
+    '<setting name="ApiKey"></a>' * N,
+    '<s name="key"></s>' * N,
+    '<s name="key">' + "<a>" * N,
+    '<param name="password">' * N,
+    "name=password&value=" * N,
+    "name=password&" + "a=b&" * N,
+    "key=api_key&" + "a" * N,
     # secret shapes that must be hidden
     "password=hunter2zz",
     "{'password': 'hunter2zz'}",
@@ -156,6 +165,12 @@ STRINGS: list[str] = [
     '{"value": "hunter2zz", "Key": "token"}',
     '<password value="hunter2zz"/>',
     "<data><token>hunter2zz</data>",
+    # an element named by its name attribute, form fields named by a sibling
+    '<setting name="ApiKey"><value>hunter2zz</value></setting>',
+    '<param name="password"><![CDATA[hunter2zz]]></param>',
+    '<entry key="token">hunter2zz</entry>',
+    "name=password&value=hunter2zz",
+    "key=api_key&val=hunter2zz",
 ]
 
 # Strings in STRINGS holding the secret "hunter2zz" in a shape redaction must hide.

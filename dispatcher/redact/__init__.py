@@ -47,9 +47,12 @@ A value that is a container is replaced whole, whatever it holds:
 A container never closed runs to the text's end: a cut-off text hides too much, never too little.
 An empty one (``password=[]``, ``<password></password>``) says there is no secret and stays.
 
-Not covered: a sibling-named object escaped inside another string, one whose string a stray quote
-earlier on its line swallows, and form bodies (``name=password&value=x``); an element named by its
-``name`` attribute keeps its content (``<setting name="ApiKey"><value>x</value></setting>``).
+Named by a sibling too: an object's other members when its ``name`` or ``key`` member names a
+secret (``{"name": "password", "value": "x"}``), an element's content and attributes when its
+``name`` or ``key`` attribute does (``<setting name="ApiKey"><value>x</value></setting>``; HTML's
+void elements such as ``<input name="password">`` hold nothing, so only their attributes), and the
+other fields of a form run (``name=password&value=x``). Not covered: a sibling-named object escaped
+inside another string, or one whose string a stray quote earlier on its own line swallows.
 
 A name is secret when ``SECRET_NAME`` finds it (``password``, ``client_secret``, ``api_key``,
 ``X-Access-Key``, ``Ocp-Apim-Subscription-Key``, ``signature``, ``sig``, ``key``...). Redaction is
@@ -78,7 +81,7 @@ from django.conf import settings
 
 from dispatcher.conf import dispatcher_settings
 from dispatcher.redact.extents import replace_spans
-from dispatcher.redact.markup import attribute_spans, elements, section_spans, sibling_spans
+from dispatcher.redact.markup import attribute_spans, elements, forms, named_element_spans, section_spans, sibling_spans
 from dispatcher.redact.names import MIN_KNOWN_SECRET, NAMED, NOT_SECRET, REDACTED, SECRET_NAME, SECRET_VALUE, is_secret
 from dispatcher.redact.pairs import INLINE_HEADER, INLINE_VALUE, MEMBER_EQ, PAIR, PAIR_VALUE, headers, members, named
 
@@ -158,11 +161,13 @@ def _redact_text(text: str, secrets: list[str]) -> str:
         quoted = '"' in text or "'" in text
         if "[" in text:
             text = replace_spans(text, section_spans(text))
-        if "<" in text and "=" in text:
-            text = replace_spans(text, attribute_spans(text))
+        if "<" in text and "=" in text:  # before ``key="token"`` is hidden as a pair
+            text = replace_spans(text, attribute_spans(text) + named_element_spans(text))
         if quoted:  # before a member named ``key`` hides the name it gives its siblings
             text = replace_spans(text, sibling_spans(text))
         if "=" in text:
+            if "&" in text:  # before a field named ``key`` hides the name it gives its siblings
+                text = forms(text)
             text = named(text, PAIR, PAIR_VALUE)
         if quoted and (":" in text or MEMBER_EQ.search(text) is not None):
             text = members(text)

@@ -1,14 +1,15 @@
 """The passes that hide what markup and structure say is a secret's: XML elements and their
-attributes, INI and TOML sections, objects a sibling member names (``dispatcher.redact``)."""
+attributes, INI and TOML sections, objects a sibling member names, form fields a sibling field
+names (``dispatcher.redact``)."""
 from __future__ import annotations
 
 import functools
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dispatcher.redact.extents import replace_spans, strings_end
-from dispatcher.redact.names import NAMED, is_secret
+from dispatcher.redact.names import NAMED, REDACTED, is_secret
 from dispatcher.redact.pairs import MEMBER_VALUE
 
 # An element's tag, or the start of a CDATA section or a comment (what the element pass steps
@@ -22,6 +23,16 @@ _TAG = re.compile(
 )
 # The name of every close tag ``_TAG`` may pair (whose name holds a part of a secret name).
 _CLOSE_TAG = re.compile(rf"</(?=[\w.\-:]{{0,100}}?(?i:{'|'.join(NAMED)}))([A-Za-z_][\w.\-:]{{0,100}}+)")
+# Every tag, as ``_TAG`` reads one, with its attributes (what the pass over elements an
+# attribute names steps on: any element may be one), and the name of every close tag.
+# HTML's void elements: never closed, never holding anything.
+_VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"})
+_ANY_TAG = re.compile(
+    r"<(?P<opaque>!\[CDATA\[|!--)"
+    r"|<(?P<close>/?)(?P<tag>[A-Za-z_][\w.\-:]{0,100}+)"
+    r"(?P<attributes>(?:\s(?:[^<>\"'/]++|/(?!>)|\"[^\"<]*+\"|'[^'<]*+')*+)?)(?P<empty>/?)>"
+)
+_ANY_CLOSE_TAG = re.compile(r"</([A-Za-z_][\w.\-:]{0,100}+)")
 # What ends a CDATA section, a comment.
 _OPAQUE_END = {"![CDATA[": "]]>", "!--": "-->"}
 # A name whose value names the secret its siblings hold: ``{"name": "password", "value": "x"}``,
@@ -52,6 +63,16 @@ _OBJECT_TOKEN = re.compile(
 _NAMING_MEMBER = re.compile(
     rf"([\"']){_NAMING_WORD}\1[ \t]*+(?::|=>?)[ \t]*+([\"'])(?P<named>[^\"'\\\n]{{1,100}})\2"
 )
+# A run of form fields joined by ``&`` (a query string, a form body): from a whitespace, a
+# quote or the text's start (the look-behind refuses a start inside a run) to the next
+# whitespace or quote; only a run holding an ``&`` matches.
+_FORM_RUN = re.compile(r"(?<![^\s\"'])(?:[^\s\"'&]*+&)++[^\s\"'&]*+")
+# A field that may name its siblings' secret (``name=password``, ``key=api_key``), after a
+# whitespace, a quote, ``?`` or ``&`` (the character is consumed: the engine then finds a
+# candidate fast; a text or run is searched with a space before it).
+_NAMING_FIELD = re.compile(rf"[\s\"'?&]{_NAMING_WORD}=(?P<named>[^&\s\"']{{1,100}})")
+# A field of a run, its value not empty, unless it is a naming one: what ``forms`` replaces.
+_FORM_VALUE = re.compile(rf"(?<![^&])(?P<name>(?:[^&=?]*+\?)*+(?!{_NAMING_WORD}=)[^&=]*+=)[^&]++")
 # An INI or TOML section's header line (``[password]``, ``[[servers.auth]]``), maybe with a
 # comment; a line's start is found as the ``\n`` before it (a literal the engine searches fast).
 _SECTION = r"[ \t]*+\[{1,2}+(?P<section>[^\[\]\r\n]{1,200}+)\]{1,2}+[ \t]*+(?:[#;][^\r\n]*+)?\r?(?=\n|\Z)"
@@ -87,9 +108,7 @@ def attribute_spans(text: str) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     for tag in _ATTRIBUTED_TAG.finditer(text):
         start, end = tag.span("attributes")
-        if not is_secret(tag["tag"].rpartition(":")[2]) and not any(
-            is_secret(named["dq"] or named["sq"] or named["bare"]) for named in _NAMING_ATTRIBUTE.finditer(text, start, end)
-        ):
+        if not is_secret(tag["tag"].rpartition(":")[2]) and not _names_secret(text, start, end):
             continue
         spans += [
             (first + 1, last - (last - first > 1 and text[last - 1] == text[first])) if text[first] in "\"'" else (first, last)
@@ -97,6 +116,12 @@ def attribute_spans(text: str) -> list[tuple[int, int]]:
                                 and not _kept_attribute(a["name"]))
         ]  # a quoted value: what it holds, its quotes kept
     return spans
+
+
+def _names_secret(text: str, start: int, end: int) -> bool:
+    """Say whether the attributes between ``start`` and ``end`` name their element's secret
+    (``key="ApiKey"``)."""
+    return any(is_secret(named["dq"] or named["sq"] or named["bare"]) for named in _NAMING_ATTRIBUTE.finditer(text, start, end))
 
 
 @functools.lru_cache(maxsize=256)
@@ -153,7 +178,11 @@ def sibling_spans(text: str) -> list[tuple[int, int]]:
                 current.values.append((at + 1, end - 1))  # a string: what it holds, its quotes kept
             else:
                 current.values.append((at, end))
-            at = end
+            # A string value runs to its closing quote, which may be lines away (or nowhere: a
+            # stray quote); the scan goes on from its line's end at the latest, so no object on a
+            # later line is skipped unread (its brackets and strings count again, on the safe side).
+            line_end = -1 if value["bare"] is not None else text.find("\n", at, end)
+            at = end if line_end < 0 else line_end
         elif kind in "[{(":
             owner = current.opens[0] if current.opens[1] == token.start() else -1
             current.opens = (-1, -1)
@@ -173,13 +202,35 @@ def sibling_spans(text: str) -> list[tuple[int, int]]:
     return spans + objects[0].values if objects[0].named else spans
 
 
-def _tags(text: str) -> Iterator[tuple[int, re.Match[str]]]:
-    """Yield every tag ``_TAG`` finds with its scope: 0, or the number of the CDATA section or
+def forms(text: str) -> str:
+    """Replace the field values of every run of ``&``-joined form fields (a query string, a form
+    body) in which a ``name`` or ``key`` field (``_NAMING``) has a secret name as its value
+    (``name=password&value=x``, ``key=api_key&val=x``, in any order): every other field's value,
+    to the next ``&`` or the run's end, naming fields kept; the backslashes that escape a
+    closing quote are left to it. Linear: runs only when such a field is found; each run is
+    matched once, and searched and replaced once if it holds one."""
+    if not any(is_secret(m["named"]) for m in _NAMING_FIELD.finditer(f" {text}")):
+        return text
+    out: list[str] = []
+    done = 0
+    for run in _FORM_RUN.finditer(text):
+        fields = run.group()
+        if not any(is_secret(m["named"]) for m in _NAMING_FIELD.finditer(f" {fields}")):
+            continue
+        escapes = len(fields) - len(fields.rstrip("\\")) if text[run.end():run.end() + 1] in ("\"", "'") else 0
+        kept = len(fields) - escapes
+        out += [text[done:run.start()], _FORM_VALUE.sub(rf"\g<name>{REDACTED}", fields[:kept]), fields[kept:]]
+        done = run.end()
+    return "".join(out) + text[done:] if out else text
+
+
+def _tags(text: str, pattern: re.Pattern[str] = _TAG) -> Iterator[tuple[int, re.Match[str]]]:
+    """Yield every tag ``pattern`` finds with its scope: 0, or the number of the CDATA section or
     comment it is in (inside one, another's start is text). Linear: each section's end is
     searched for once, and the tags are found in one pass."""
     at = scopes = 0
     while True:
-        for m in _TAG.finditer(text, at):
+        for m in pattern.finditer(text, at):
             if m["opaque"]:
                 break
             yield 0, m
@@ -189,42 +240,78 @@ def _tags(text: str) -> Iterator[tuple[int, re.Match[str]]]:
         close = _OPAQUE_END[m["opaque"]]
         stop = text.find(close, m.end())
         stop = len(text) if stop < 0 else stop
-        yield from ((scopes, tag) for tag in _TAG.finditer(text, m.end(), stop) if not tag["opaque"])
+        yield from ((scopes, tag) for tag in pattern.finditer(text, m.end(), stop) if not tag["opaque"])
         at = stop + len(close)
 
 
-def _element_spans(text: str) -> list[tuple[int, int]]:
-    """Return the content (start, end) of every secret-named element: from its open tag to the
-    close tag of the same name that pairs with it as nesting pairs them, or to the text's end if
-    none does. A CDATA section or a comment is a scope of its own (its tags pair only with each
-    other), so ``<password><![CDATA[</password>x]]></password>`` hides ``x``. An open tag whose
-    name no close tag has runs to the next tag if that is a close tag, else to the end (the pass
-    stops there). Empty contents are left out."""
+def _paired_spans(
+    text: str, pattern: re.Pattern[str], closed: set[str], secret: Callable[[re.Match[str]], bool]
+) -> list[tuple[int, int]]:
+    """Return the content (start, end) of every element whose open tag is ``secret``'s (of those
+    ``pattern`` finds): from its open tag to the close tag of the same name that pairs with it as
+    nesting pairs them, or to the text's end if none does. A CDATA section or a comment is a
+    scope of its own (its tags pair only with each other), so
+    ``<password><![CDATA[</password>x]]></password>`` hides ``x``. An open tag whose name no
+    close tag has (``closed``) runs to the next tag if that is a close tag, else to the end (the
+    pass stops there). Empty contents are left out. Linear: one pass over the tags, each open
+    tag paired by a stack per name, never by a search from it."""
     spans: list[tuple[int, int]] = []
-    opened: dict[tuple[int, str], list[int]] = {}
-    closed = set(_CLOSE_TAG.findall(text))
-    for scope, tag in _tags(text):
+    # Per scope and name, the open elements (their content's start, whether secret); an element
+    # that is not secret is kept only inside a secret one of its name, to pair its close tag.
+    opened: dict[tuple[int, str], list[tuple[int, bool]]] = {}
+    for scope, tag in _tags(text, pattern):
         close, name, empty = tag.group("close", "tag", "empty")
-        if empty or not is_secret(name.rpartition(":")[2]):
+        if empty:
             continue
-        if not close:
-            if name not in closed:
-                # Never closed: XML text holds no ``<``, so if the next tag closes another
-                # element, the text ends there; if it opens a child, a CDATA section or a
-                # comment, or no tag follows, it runs to the end and the pass stops.
-                following = text.find("<", tag.end())
-                if scope == 0 and text.startswith("</", following):
-                    if following > tag.end():
-                        spans.append((tag.end(), following))
-                    continue
-                opened.setdefault((scope, name), []).append(tag.end())
-                break
-            opened.setdefault((scope, name), []).append(tag.end())
-        elif (starts := opened.get((scope, name))) and (start := starts.pop()) < tag.start():
-            spans.append((start, tag.start()))
-    # Each element never closed runs to the end: the first holds all the others.
-    unclosed = [starts[0] for starts in opened.values() if starts]
+        starts = opened.get((scope, name))
+        if close:
+            if starts and (popped := starts.pop())[1] and popped[0] < tag.start():
+                spans.append((popped[0], tag.start()))
+            continue
+        if not secret(tag):
+            if starts:
+                starts.append((tag.end(), False))
+            continue
+        if name not in closed:
+            # Never closed: XML text holds no ``<``, so if the next tag closes another element,
+            # the text ends there; if it opens a child, a CDATA section or a comment, or no tag
+            # follows, it runs to the end and the pass stops.
+            following = text.find("<", tag.end())
+            if scope == 0 and text.startswith("</", following):
+                if following > tag.end():
+                    spans.append((tag.end(), following))
+                continue
+            opened.setdefault((scope, name), []).append((tag.end(), True))
+            break
+        opened.setdefault((scope, name), []).append((tag.end(), True))
+    # Each element never closed runs to the end: the first holds all the others (the first
+    # open of a name's stack is a secret one: no other is kept without one below it).
+    unclosed = [starts[0][0] for starts in opened.values() if starts]
     return spans + [(min(unclosed), len(text))] if unclosed else spans
+
+
+def _element_spans(text: str) -> list[tuple[int, int]]:
+    """Return the content of every secret-named element (``<password><v>x</v></password>``)."""
+    return _paired_spans(text, _TAG, set(_CLOSE_TAG.findall(text)), lambda tag: is_secret(tag["tag"].rpartition(":")[2]))
+
+
+def named_element_spans(text: str) -> list[tuple[int, int]]:
+    """Return the content of every element whose ``name`` or ``key`` attribute names a secret
+    (``<setting name="ApiKey"><value>x</value></setting>``, ``<entry key="token">x</entry>``), as
+    ``_paired_spans`` finds it. Runs only when an attribute names one; then steps on every tag,
+    since any element may be such a one."""
+    if not any(is_secret(named["dq"] or named["sq"] or named["bare"]) for named in _NAMING_ATTRIBUTE.finditer(text)):
+        return []
+
+    def secret(tag: re.Match[str]) -> bool:
+        # HTML's void elements hold nothing (``<input name="password">`` in a login page): their
+        # attributes are hidden (``attribute_spans``), and what follows them is the page's.
+        return (
+            bool(tag["attributes"]) and tag["tag"].lower() not in _VOID
+            and _names_secret(text, *tag.span("attributes"))
+        )
+
+    return _paired_spans(text, _ANY_TAG, set(_ANY_CLOSE_TAG.findall(text)), secret)
 
 
 def elements(text: str) -> str:

@@ -211,6 +211,23 @@ def test_a_real_workers_log_lines_carry_no_secret(procs):
         # A secret element never closed: to the next tag when that closes another element.
         ("<data><token>hunter2zz</data><user>ann</user>", f"<data><token>{REDACTED}</data><user>ann</user>"),
         ("<token>hunter2zz<v>x</v></data><user>ann</user>", f"<token>{REDACTED}"),  # a child: to the end
+        # An element a name or key attribute names secret: its whole content, to its own close tag.
+        ('<setting name="ApiKey"><value>hunter2zz</value></setting><n>1</n>', f'<setting name="ApiKey">{REDACTED}</setting><n>1</n>'),
+        ('<param name="password">hunter2zz</param><n>1</n>', f'<param name="password">{REDACTED}</param><n>1</n>'),
+        ('<entry key="token" type="s">hunter2zz</entry><n>1</n>', f'<entry key={REDACTED} type="{REDACTED}">{REDACTED}</entry><n>1</n>'),
+        ('<setting name="ApiKey"><![CDATA[</setting>hunter2zz]]></setting><n>1</n>', f'<setting name="ApiKey">{REDACTED}</setting><n>1</n>'),
+        ('<setting name="ApiKey"><setting name="a">b</setting>hunter2zz</setting><n>1</n>',
+         f'<setting name="ApiKey">{REDACTED}</setting><n>1</n>'),  # a child of its own name: paired as nested
+        ('<setting name="db"><setting name="token">hunter2zz</setting><v>1</v></setting>',
+         f'<setting name="db"><setting name="token">{REDACTED}</setting><v>1</v></setting>'),
+        ('<setting name="ApiKey"><v>hunter2zz', f'<setting name="ApiKey">{REDACTED}'),  # cut off: to the end
+        # Form fields a sibling field names secret: the other values of its ``&``-joined run.
+        ("name=password&value=hunter2zz", f"name=password&value={REDACTED}"),
+        ("value=hunter2zz&Name=DB_PASSWORD&flag&n=", f"value={REDACTED}&Name=DB_PASSWORD&flag&n="),
+        ("key=api_key&val=hunter2zz", f"key={REDACTED}&val={REDACTED}"),
+        ("https://h/p?name=token&value=hunter2zz&n=1 page=2", f"https://h/p?name=token&value={REDACTED}&n={REDACTED} page=2"),
+        ('{"body": "name=password&value=hunter2zz", "n": 1}', f'{{"body": "name=password&value={REDACTED}", "n": 1}}'),
+        ('{\\"body\\": \\"name=password&value=hunter2zz\\"}', f'{{\\"body\\": \\"name=password&value={REDACTED}\\"}}'),
     ],
 )
 def test_escaped_joined_sectioned_and_sibling_named_secrets_are_hidden_and_the_rest_stays(text, expected):
@@ -222,6 +239,9 @@ def test_escaped_joined_sectioned_and_sibling_named_secrets_are_hidden_and_the_r
     "[database]\nhost = h\nport = 5432", "[section]\nvalue = 30", '<item name="colour" value="red"/>',
     '{\\"user\\": \\"bob\\", \\"n\\": \\"a\\\\\\"b\\"}', 'note = "ab" "cd"', "x => y", '<user id="7">ann</user>',
     "see [token] in the docs", "{'a': '''x\ny'''}",
+    # Named by an attribute or a field, but no secret name: the content and the values stay.
+    '<add name="ConnectionString">Server=db;Database=app</add>', '<setting name="Timeout"><value>30</value></setting>',
+    "name=username&value=bob", "name=region&value=eu&n=1", "a=1&b=2 name=password c=3&d=4", "Q&A name=Password",
 ])
 def test_text_that_names_no_secret_keeps_its_values(text):
     assert redact_text(text) == text
@@ -233,7 +253,33 @@ def test_a_value_whose_key_names_no_secret_stays_though_the_key_itself_is_hidden
     assert redact_text('{"key": "region", "value": "eu"}') == f'{{"key": "{REDACTED}", "value": "eu"}}'
 
 
+def test_a_secret_element_named_by_a_key_attribute_hides_its_content_and_the_key():
+    # ``key`` is itself a secret name: its value is hidden as a pair's, with what follows it up to a space.
+    shown = redact_text('<entry key="token">hunter2zz</entry><n>1</n>')
+    assert "hunter2zz" not in shown and shown.startswith("<entry key=")
+
+
 def test_an_unclosed_placeholder_in_prose_still_hides_the_rest_of_the_text():
     # Its text could be a cut-off secret running over lines: no end short of the next tag is safe.
     shown = redact_text("expected <token> in header, got Bearer hunter2zz\nretry later")
     assert "hunter2zz" not in shown and shown.startswith("expected <token>")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    # A login page in an error: the void element's attributes are hidden, the page after it shown.
+    ('<form><input name="password" value="s3cret"><p>Session expired</p></form>',
+     '<form><input name="password" value="********"><p>Session expired</p></form>'),
+    ('<meta name="csrf-token" content="abc123"><title>Bad gateway</title>',
+     '<meta name="csrf-token" content="********"><title>Bad gateway</title>'),
+    # An element that holds something is hidden whole, as before.
+    ('<param name="password">hunter2</param><param name="user">ann</param>',
+     '<param name="password">********</param><param name="user">ann</param>'),
+])
+def test_an_html_void_element_named_secret_hides_its_attributes_not_the_page_after_it(text, expected):
+    assert redact_text(text) == expected
+
+
+@pytest.mark.parametrize("before", ["'':'", "'a':'", 'note: "unclosed', "x = '"])
+def test_a_stray_quote_on_a_line_before_hides_no_sibling_named_object_from_the_scan(before):
+    shown = redact_text(before + '\n{"name": "password", "value": "hunter2"}')
+    assert "hunter2" not in shown

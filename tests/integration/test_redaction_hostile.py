@@ -203,6 +203,8 @@ siblings = st.sampled_from([
     '{{"name": "{n}", "value": "{v}"}}', "{{'Key': '{n}', 'Value': '{v}'}}", '[{{"value": "{v}", "Name": "{n}"}}]',
     '{{"key": "{n}", "type": "s", "val": ["{v}"]}}', '<add key="{n}" value="{v}"/>', "<setting name='{n}' value='{v}'>",
     '<{n} value="{v}"/>', "<{n} a='1' v='{v}'></{n}>",
+    '<setting name="{n}"><value>{v}</value></setting>', "<entry key='{n}'>x <b/>{v}</entry>", "name={n}&value={v}",
+    "value={v}&key={n}&n=1",
 ])
 
 
