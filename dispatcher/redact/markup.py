@@ -23,10 +23,10 @@ _TAG = re.compile(
 )
 # The name of every close tag ``_TAG`` may pair (whose name holds a part of a secret name).
 _CLOSE_TAG = re.compile(rf"</(?=[\w.\-:]{{0,100}}?(?i:{'|'.join(NAMED)}))([A-Za-z_][\w.\-:]{{0,100}}+)")
-# Every tag, as ``_TAG`` reads one, with its attributes (what the pass over elements an
-# attribute names steps on: any element may be one), and the name of every close tag.
 # HTML's void elements: never closed, never holding anything.
 _VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"})
+# Every tag, as ``_TAG`` reads one, with its attributes (what the pass over elements an
+# attribute names steps on: any element may be one), and the name of every close tag.
 _ANY_TAG = re.compile(
     r"<(?P<opaque>!\[CDATA\[|!--)"
     r"|<(?P<close>/?)(?P<tag>[A-Za-z_][\w.\-:]{0,100}+)"
