@@ -147,13 +147,20 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     tat = owing("paced")
     call = CallQueue.objects.send(method, {}, keys=["paced"])
     assert run_all(claim_all(call.key_set).calls) == ["done"]
-    assert sent_after_judged(call) >= 80 * MS
+    sent = sent_after_judged(call)
+    assert sent >= 80 * MS
     # Charged one interval, 200 ms lengthened by the guard (6 ms), from its send moment: the
     # clock it was judged on plus the hold (or the bucket's state, if later). Not from its
     # recorded start plus the hold: the start's record comes a little after it was judged, and
     # charging from there cost a smooth rate that much of every interval.
     judged = datetime.fromisoformat(call.result["judged"])
-    assert bucket_state("paced") - max(tat, judged + 80 * MS) == 206 * MS
+    charged = bucket_state("paced") - max(tat, judged + 80 * MS)
+    if sent - 80 * MS <= SEND_SLACK:
+        assert charged == 206 * MS
+    else:
+        # Sent later than its moment allows (a loaded machine): the bucket may have moved on by
+        # that lateness before the request went (``arrivals.release``), never by more.
+        assert 206 * MS <= charged <= 206 * MS + (sent - 80 * MS)
     assert call.started_at >= judged
 
 
