@@ -155,12 +155,12 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     # charging from there cost a smooth rate that much of every interval.
     judged = datetime.fromisoformat(call.result["judged"])
     charged = bucket_state("paced") - max(tat, judged + 80 * MS)
-    if sent - 80 * MS <= SEND_SLACK:
-        assert charged == 206 * MS
-    else:
-        # Sent later than its moment allows (a loaded machine): the bucket may have moved on by
-        # that lateness before the request went (``arrivals.release``), never by more.
-        assert 206 * MS <= charged <= 206 * MS + (sent - 80 * MS)
+    if charged != 206 * MS:
+        # Sent later than its moment allows (a loaded machine): the bucket moved on by that
+        # lateness and the pad before the request went (``arrivals.release``), never by more
+        # (the handler reads its clock after the move).
+        assert sent - 80 * MS > SEND_SLACK
+        assert 206 * MS < charged <= 206 * MS + (sent - 80 * MS) + arrivals.MOVE_PAD
     assert call.started_at >= judged
 
 
@@ -230,8 +230,9 @@ def test_a_late_held_request_moves_its_bucket_on_by_its_lateness_before_it_goes(
     sent = datetime.fromisoformat(call.result["at"])
     moment = max(tat, judged + hold)
     moved = bucket_state("paced") - (moment + charged)
-    # At least its lateness past what its moment allowed (the slack), the pad on top.
-    assert moved >= sent - moment - SEND_SLACK
+    # At least its lateness past what its moment allowed (the slack), the pad on top; the handler
+    # reads its clock (``sent``) after the move's statement, up to a few ms later when loaded.
+    assert moved >= sent - moment - SEND_SLACK - 10 * MS
     assert moved >= arrivals.MOVE_PAD and sent - judged >= 150 * MS
     assert list(Attempt.objects.values_list("outcome", flat=True)) == ["done"]
 
