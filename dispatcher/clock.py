@@ -11,16 +11,20 @@ from dispatcher.store.schema import CLOCK, READ_CLOCK
 
 def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
     """Return the clock of the database ``using`` names, read now (not at transaction start)."""
-    connection = connections[using]
-    if connection.vendor == "postgresql":
+    if connections[using].vendor == "postgresql":
         # clock_timestamp(), not now(): now() is frozen at transaction start, which would
         # predate any lock wait and let two dispensers judge one window at different times.
-        with connection.cursor() as cursor:
-            cursor.execute(READ_CLOCK)
-            moment: datetime = cursor.fetchone()[0]
-            return moment
+        return _read_clock(using, READ_CLOCK)
     # SQLite is a file on this machine, so its clock is this machine's clock.
     return timezone.now()
+
+
+def _read_clock(using: str, statement: str) -> datetime:
+    """Run a statement whose first column is the PostgreSQL clock; return it."""
+    with connections[using].cursor() as cursor:
+        cursor.execute(statement)
+        moment: datetime = cursor.fetchone()[0]
+        return moment
 
 
 def db_now_commit_unflushed(using: str = DEFAULT_DB_ALIAS) -> datetime:
@@ -32,13 +36,9 @@ def db_now_commit_unflushed(using: str = DEFAULT_DB_ALIAS) -> datetime:
     ``calls.dispense.claim_batch``). Other sessions see its commit at once as ever; a later
     durable commit flushes it with its own (the WAL is written in order).
     """
-    connection = connections[using]
-    if connection.vendor != "postgresql":
+    if connections[using].vendor != "postgresql":
         return db_now(using)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {CLOCK}, set_config('synchronous_commit', 'off', true)")
-        moment: datetime = cursor.fetchone()[0]
-        return moment
+    return _read_clock(using, f"SELECT {CLOCK}, set_config('synchronous_commit', 'off', true)")
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

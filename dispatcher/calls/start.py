@@ -5,7 +5,7 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ from dispatcher.store.folded import Folded, folding, start_transaction
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
-    from dispatcher.models import Attempt, CallQueue
+    from dispatcher.models import Attempt, CallQueue, KeyState
 
 log = logging.getLogger("dispatcher")
 
@@ -108,15 +108,8 @@ def warm(manager: CallQueueManager) -> None:
     # statement once they are kept.
     for _ in range(2):
         gate.policies_for_start([], {}, using=db)
-    nothing: dict[str, Any] = dict.fromkeys(
-        ("ids", "nos", "log_keys", "log_units", "log_cums", "log_calls", "b_keys", "b_periods", "b_tats",
-         "b_charged", "b_read", "c_keys", "c_calls", "c_units", "c_totals"), [],
-    )
     with connections[db].cursor() as cursor:
-        cursor.execute(call_sql.mark_running_group(), {
-            **nothing, "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED,
-            "now": db_now(db), "worker": "", "n": 0, "b_start": 0,
-        })
+        cursor.execute(call_sql.mark_running_group(), _mark_running_params([], db_now(db), "", {}, {}, 0)[0])
 
 
 def start_many(
@@ -287,31 +280,7 @@ def _mark_running_postgresql(
     group: gate.Group, folded: Folded | None, token: int,
 ) -> dict[int, Marked]:
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
-    log = [(key, units, cum, one.call_id) for one, record, _ in admitted for key, units, cum in record.log]
-    buckets: dict[tuple[str, timedelta], int] = {}
-    charged: dict[tuple[str, timedelta], int] = {}
-    for _, record, _ in admitted:
-        for (key, period, tat), beyond in zip(record.buckets, record.charged, strict=True):
-            buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
-            charged[(key, period)] = charged.get((key, period), 0) + beyond
-    moved: dict[str, list[int]] = {}
-    for key, units, _, _ in log:
-        calls_units = moved.setdefault(key, [0, 0])
-        calls_units[0] += 1
-        calls_units[1] += units
-    params: dict[str, Any] = {
-        "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now,
-        "worker": worker, "n": len(admitted),
-        "ids": [one.call_id for one, _, _ in admitted], "nos": [one.dispatch_no for one, _, _ in admitted],
-        "log_keys": [row[0] for row in log], "log_units": [row[1] for row in log],
-        "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
-        "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
-        "b_tats": list(buckets.values()),
-        "b_charged": [charged[bucket] for bucket in buckets],
-        "b_read": [group.read_tats.get(bucket) for bucket in buckets], "b_start": token,
-        "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
-        "c_totals": [group.states[key].total for key in moved],
-    }
+    params, buckets, charged = _mark_running_params(admitted, now, worker, group.read_tats, group.states, token)
     statement = call_sql.mark_running_group()
     with connections[manager.db].cursor() as cursor:
         cursor.execute(folded.commit(statement) if folded else statement, params)
@@ -335,6 +304,40 @@ def _mark_running_postgresql(
             states.setdefault(key, []).append((period, tat))
         started[call.id] = (call, attempt, states, moves)
     return started
+
+
+def _mark_running_params(
+    admitted: list[tuple[_Delivery, gate.StartRecord, bool]], now: datetime, worker: str,
+    read_tats: Mapping[tuple[str, timedelta], int | None], states: Mapping[str, KeyState], token: int,
+) -> tuple[dict[str, Any], dict[tuple[str, timedelta], int], dict[tuple[str, timedelta], int]]:
+    """The parameters of ``call_sql.mark_running_group`` for the admitted calls (none: ``warm``), and
+    the state each bucket is charged to and by how much beyond the state it was judged on."""
+    log = [(key, units, cum, one.call_id) for one, record, _ in admitted for key, units, cum in record.log]
+    buckets: dict[tuple[str, timedelta], int] = {}
+    charged: dict[tuple[str, timedelta], int] = {}
+    for _, record, _ in admitted:
+        for (key, period, tat), beyond in zip(record.buckets, record.charged, strict=True):
+            buckets[(key, period)] = tat  # each charge builds on the one before: the last is the state
+            charged[(key, period)] = charged.get((key, period), 0) + beyond
+    moved: dict[str, list[int]] = {}
+    for key, units, _, _ in log:
+        calls_units = moved.setdefault(key, [0, 0])
+        calls_units[0] += 1
+        calls_units[1] += units
+    params = {
+        "running": Status.RUNNING, "outcome": Outcome.RUNNING, "dispatched": Status.DISPATCHED, "now": now,
+        "worker": worker, "n": len(admitted),
+        "ids": [one.call_id for one, _, _ in admitted], "nos": [one.dispatch_no for one, _, _ in admitted],
+        "log_keys": [row[0] for row in log], "log_units": [row[1] for row in log],
+        "log_cums": [row[2] for row in log], "log_calls": [row[3] for row in log],
+        "b_keys": [key for key, _ in buckets], "b_periods": [period for _, period in buckets],
+        "b_tats": list(buckets.values()),
+        "b_charged": [charged[bucket] for bucket in buckets],
+        "b_read": [read_tats.get(bucket) for bucket in buckets], "b_start": token,
+        "c_keys": list(moved), "c_calls": [m[0] for m in moved.values()], "c_units": [m[1] for m in moved.values()],
+        "c_totals": [states[key].total for key in moved],
+    }
+    return params, buckets, charged
 
 
 def _mark_running_portable(
