@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from celery.signals import worker_process_init
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
 
-from dispatcher import arrivals, liveness
+from dispatcher import arrivals, handlerpool
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.calls.start import StartState
 from dispatcher.calls.start import warm as warm_start
@@ -318,10 +318,6 @@ class Run:
     start: int = 0
 
 
-# Most handlers a process whose pool is not threads (a prefork child: one message at a time) runs
-# at once; a message's further calls start as one returns.
-MESSAGE_THREADS = 8
-
 # After a handler of a message returns, how long (seconds) the worker waits for the others
 # before it records what has finished: handlers that return together (no-op ones, or requests
 # answered at once) are recorded in one statement, and a slow call holds back no other's result
@@ -333,11 +329,42 @@ Ran = tuple[Outcome, Any, tuple[float | None, Any, arrivals.Sent | None]]
 
 
 def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
-    """Run the deliveries of one message: start them together, run their handlers at once (a
-    small thread pool), record each outcome as its handler returns (the successes that return
-    together in one statement); return the count of each outcome."""
-    worker = f"{socket.gethostname()}:{os.getpid()}"
+    """Run the deliveries of one message: start them together once the process's handler threads
+    can soon take them, run their handlers at once (the process's pool of handler threads), record
+    each outcome as its handler returns (the successes that return together in one statement);
+    return the count of each outcome."""
     outcomes: dict[str, int] = {}
+    # The message's calls start once the process's handler threads can soon take them
+    # (``handlerpool``): each start then counts from about when its request goes.
+    handlerpool.reserve(len(deliveries))
+    runs: list[Run] = []
+    try:
+        runs = _start_group(deliveries, outcomes)
+    finally:
+        handlerpool.give_back(len(deliveries) - len(runs))
+    if not runs:
+        return outcomes
+    # All of the message's calls go to the pool at once, whose threads take them in order. A
+    # `-c N` worker's messages share one pool of N: handing a message's calls over a few at a
+    # time left threads idle while the calls of a message it had started waited their turn, and
+    # its other messages waited for a slot (measured: slots 60-82% busy at the API, 71-84% so).
+    futures = handlerpool.hand_over(runs, _call_handler_in_pool)
+    waiting = set(futures)
+    # Each round records at least one call: as many rounds as calls at most.
+    for _ in range(len(runs)):
+        if not waiting:
+            break
+        done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+        if waiting:  # what returns within GATHER of the first is recorded with it
+            more, waiting = wait(waiting, timeout=GATHER)
+            done |= more
+        _record_ran([(run, future.result()) for future, run in futures.items() if future in done], outcomes)
+    return outcomes
+
+
+def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) -> list[Run]:
+    """Start a message's calls together; return those that started (the others counted in ``outcomes``)."""
+    worker = f"{socket.gethostname()}:{os.getpid()}"
     runs: list[Run] = []
     # Calls claimed ahead of their slot wait for it (briefly, holding no lock), as one call does.
     ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
@@ -362,62 +389,7 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
             break
         pending = [delivery for delivery, _ in early]
         time.sleep(min(delay for _, delay in early).total_seconds())
-    if not runs:
-        return outcomes
-    pool = _handler_pool()
-    # All of the message's calls go to the pool at once, whose threads take them in order. A
-    # `-c N` worker's messages share one pool of N: handing a message's calls over a few at a
-    # time left threads idle while the calls of a message it had started waited their turn, and
-    # its other messages waited for a slot (measured: slots 60-82% busy at the API, 71-84% so).
-    futures = {pool.submit(_call_handler_in_pool, run): run for run in runs}
-    waiting = set(futures)
-    # Each round records at least one call: as many rounds as calls at most.
-    for _ in range(len(runs)):
-        if not waiting:
-            break
-        done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-        if waiting:  # what returns within GATHER of the first is recorded with it
-            more, waiting = wait(waiting, timeout=GATHER)
-            done |= more
-        _record_ran([(run, future.result()) for future, run in futures.items() if future in done], outcomes)
-    return outcomes
-
-
-# The threads that run messages' handlers, kept by each process and reused (started as needed):
-# starting a message's threads anew was ~8% of a grouped -c 32 worker's GIL time. Their number
-# is the process's whole budget of handlers at once (``handler_threads``); what a message hands
-# over beyond it waits in the pool's queue for a thread.
-_pool: tuple[tuple[int, int], ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
-
-
-def handler_threads() -> int:
-    """How many handlers of messages one process runs at once: its worker's pool size where that
-    is one process's (threads, gevent: the ``-c`` its slots take), else MESSAGE_THREADS (a
-    prefork child, which takes one message at a time).
-
-    Not the slots times MESSAGE_THREADS: every thread at work in one process shares its GIL,
-    and past about 40 of them at once a -c 32 worker's CPU per call doubled (2.3 ms at 32 to 4.4-
-    5.7 ms at 256, the rate falling with it; httpx alone, one client: 0.8-1.0 ms per request at up
-    to 64 threads at once, 4.7-7.8 ms at 96 and more). A worker of ``-P threads -c N`` so has at
-    most max(N, 8) calls in flight, as a plain Celery worker of the same pool has N.
-    """
-    return max(MESSAGE_THREADS, liveness.process_slots() or 0)
-
-
-def _handler_pool() -> ThreadPoolExecutor:
-    """This process's pool of handler threads (a forked child makes its own; one made before the
-    worker said its size is replaced once it has)."""
-    global _pool
-    key = (os.getpid(), handler_threads())
-    if _pool is None or _pool[0] != key:
-        with _pool_lock:
-            if _pool is None or _pool[0] != key:
-                old = _pool[1] if _pool is not None and _pool[0][0] == key[0] else None
-                _pool = (key, ThreadPoolExecutor(max_workers=key[1], thread_name_prefix="dispatcher-call"))
-                if old is not None:
-                    old.shutdown(wait=False)  # its handlers at work finish; its threads then end
-    return _pool[1]
+    return runs
 
 
 def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:

@@ -80,8 +80,8 @@ def test_a_stale_delivery_in_a_message_does_not_stop_the_others(procs, fake_api)
 def test_a_threads_worker_runs_no_more_calls_at_once_than_its_concurrency(procs, fake_api):
     """Messages of several calls under a deep backlog: a `-P threads -c 6` worker's process runs
     at most max(6, MESSAGE_THREADS) handlers at once, not 6 messages times MESSAGE_THREADS (the
-    process's one GIL: past about 40 threads at work its CPU per call doubled, worker.handler_threads)."""
-    from dispatcher.worker import MESSAGE_THREADS
+    process's one GIL: past about 40 threads at work its CPU per call doubled, handlerpool.handler_threads)."""
+    from dispatcher.handlerpool import MESSAGE_THREADS
 
     slots = 12
     bound = max(slots, MESSAGE_THREADS)

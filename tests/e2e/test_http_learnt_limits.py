@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import pytest
 
+from dispatcher.handlerpool import MESSAGE_THREADS
 from dispatcher.limits import edit
 from dispatcher.models import CallQueue, LearntLimit
-from dispatcher.worker import MESSAGE_THREADS
 from support.fakeapi import FakeAPI
 from support.processes import wait_until
 

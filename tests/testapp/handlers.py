@@ -1,6 +1,7 @@
 """Handlers used by the tests; autodiscovered like any installed app's ``handlers`` module."""
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import httpx
@@ -112,3 +113,13 @@ def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int
 def exits(**params: Any) -> None:
     """A handler that ends its process, as ``exit(4)`` would."""
     raise SystemExit(4)
+
+
+# Opened by a test to let every ``waits_for_gate`` handler return (in-process tests only).
+GATE = threading.Event()
+
+
+@handler("waits_for_gate")
+def waits_for_gate(**params: Any) -> None:
+    """A handler that returns once a test opens ``GATE`` (at most 30 s)."""
+    GATE.wait(30)

@@ -1,0 +1,117 @@
+"""A worker process's threads for the handlers of messages of several calls, and when such a
+message may start its calls (``worker.execute_many``).
+
+A ``-P threads -c N`` worker takes N messages at once, and a deep backlog puts up to
+``DISPATCHER_CALLS_PER_MESSAGE`` calls in each: far more calls than the N threads that run them.
+A message that started all its calls as it arrived counted them started (their keys' windows,
+their attempts) long before a thread could send their requests: their start-to-send delays,
+which a key's arrival guard learns, held the wait behind every other message's calls (measured:
+600 calls of 100 ms, `-c 32`, 16 per message: the largest 1.2-1.6 s, where the guard stops at
+GUARD_MAX, 250 ms). So a message reserves room for its calls first: it starts them while fewer
+calls wait for a thread than the process has threads (one round of handlers), and waits
+otherwise (the same rows: 0.1-0.23 s).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+from dispatcher import liveness
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# Most handlers a process whose pool is not threads (a prefork child: one message at a time) runs
+# at once; a message's further calls start as one returns.
+MESSAGE_THREADS = 8
+
+# The longest a message waits for room before it starts its calls anyway (seconds): a bound on a
+# wait that handlers stuck on a slow API could make long, not a pace.
+ROOM_WAIT = 60.0
+
+# The threads that run messages' handlers, kept by each process and reused (started as needed):
+# starting a message's threads anew was ~8% of a grouped -c 32 worker's GIL time. Their number
+# is the process's whole budget of handlers at once (``handler_threads``); what a message hands
+# over beyond it waits in the pool's queue for a thread.
+_pool: tuple[tuple[int, int], ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+# Calls of this process's messages that have room reserved and no thread yet (``reserve``).
+_waiting = 0
+_changed = threading.Condition()
+
+
+def handler_threads() -> int:
+    """How many handlers of messages one process runs at once: its worker's pool size where that
+    is one process's (threads, gevent: the ``-c`` its slots take), else MESSAGE_THREADS (a
+    prefork child, which takes one message at a time).
+
+    Not the slots times MESSAGE_THREADS: every thread at work in one process shares its GIL,
+    and past about 40 of them at once a -c 32 worker's CPU per call doubled (2.3 ms at 32 to 4.4-
+    5.7 ms at 256, the rate falling with it; httpx alone, one client: 0.8-1.0 ms per request at up
+    to 64 threads at once, 4.7-7.8 ms at 96 and more). A worker of ``-P threads -c N`` so has at
+    most max(N, 8) calls in flight, as a plain Celery worker of the same pool has N.
+    """
+    return max(MESSAGE_THREADS, liveness.process_slots() or 0)
+
+
+def handler_pool() -> ThreadPoolExecutor:
+    """This process's pool of handler threads (a forked child makes its own; one made before the
+    worker said its size is replaced once it has)."""
+    global _pool
+    key = (os.getpid(), handler_threads())
+    if _pool is None or _pool[0] != key:
+        with _pool_lock:
+            if _pool is None or _pool[0] != key:
+                old = _pool[1] if _pool is not None and _pool[0][0] == key[0] else None
+                _pool = (key, ThreadPoolExecutor(max_workers=key[1], thread_name_prefix="dispatcher-call"))
+                if old is not None:
+                    old.shutdown(wait=False)  # its handlers at work finish; its threads then end
+    return _pool[1]
+
+
+def reserve(calls: int, timeout: float = ROOM_WAIT) -> None:
+    """Wait until fewer calls wait for a handler thread of this process than it has threads (at
+    most ``timeout``), then count a message's ``calls`` as waiting, before it starts them. Each
+    stops waiting once a thread takes it (``hand_over``) or its room is given back
+    (``give_back``: it did not start)."""
+    global _waiting
+    limit = handler_threads()
+    with _changed:
+        _changed.wait_for(lambda: _waiting < limit, timeout=timeout)
+        _waiting += calls
+
+
+def give_back(calls: int) -> None:
+    """Return the room of reserved calls that will not be handed over."""
+    global _waiting
+    if calls:
+        with _changed:
+            _waiting -= calls
+            _changed.notify_all()
+
+
+def hand_over(runs: Iterable[T], handler: Callable[[T], R]) -> dict[Future[R], T]:
+    """Give reserved calls to the pool's threads; each stops waiting as a thread takes it. Room
+    reserved for a call the pool refused (it was shut down) is given back."""
+    pool, runs = handler_pool(), list(runs)
+    futures: dict[Future[R], T] = {}
+    try:
+        for run in runs:
+            futures[pool.submit(_taken, handler, run)] = run
+    finally:
+        give_back(len(runs) - len(futures))
+    return futures
+
+
+def _taken(handler: Callable[[T], R], run: T) -> R:
+    give_back(1)
+    return handler(run)
+
+
+def waiting() -> int:
+    """How many calls of this process wait for a handler thread, their room reserved."""
+    return _waiting

@@ -1,0 +1,85 @@
+"""A worker process's messages start their calls only as its handler threads can soon take them
+(``dispatcher.handlerpool``): in-process, real database, several messages at once."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+from django.db import connections
+
+from dispatcher import handlerpool, liveness
+from dispatcher.models import Attempt, CallQueue
+from dispatcher.worker import execute_many
+from tests.integration.test_lifecycle import claim_all
+from tests.testapp.handlers import GATE
+
+# Threads writing at once: PostgreSQL (the in-memory SQLite test database locks its tables).
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+
+THREADS = handlerpool.MESSAGE_THREADS
+
+
+def _messages(count: int, size: int) -> list[list[tuple[int, int]]]:
+    calls = [CallQueue.objects.send("waits_for_gate", {}, keys=["api"]) for _ in range(count * size)]
+    claimed = sorted(claim_all(calls[0].key_set, count * size).calls, key=lambda call: call.id)
+    deliveries = [(call.id, call.dispatch_no) for call in claimed]
+    return [deliveries[i * size : (i + 1) * size] for i in range(count)]
+
+
+def _run(message: list[tuple[int, int]]) -> None:
+    """Run a message in a thread of its own, as a worker's slot does; close its connection after."""
+    try:
+        execute_many(message)
+    finally:
+        connections.close_all()
+
+
+def _statuses() -> Counter:
+    return Counter(CallQueue.objects.values_list("status", flat=True))
+
+
+@pytest.fixture
+def fresh_pool(monkeypatch):
+    """A process whose worker said no pool size (a prefork child's MESSAGE_THREADS threads), the
+    gate closed; every call's room is back at the end."""
+    monkeypatch.setattr(liveness, "_main_slots", None)
+    GATE.clear()
+    yield
+    GATE.set()
+    assert handlerpool.waiting() == 0
+
+
+def test_messages_beyond_a_round_of_waiting_calls_do_not_start_until_threads_take_calls(fresh_pool):
+    messages = _messages(4, THREADS)
+    runners = [threading.Thread(target=_run, args=(message,)) for message in messages]
+    for runner in runners:
+        runner.start()
+    deadline = time.monotonic() + 20
+    while _statuses()["running"] < 2 * THREADS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # Two messages' calls started: one round at work (the handlers wait for the gate), one
+    # waiting for a thread. The others wait to start; nothing more starts while no thread frees.
+    time.sleep(0.5)
+    assert _statuses() == {"running": 2 * THREADS, "dispatched": 2 * THREADS}
+    assert handlerpool.waiting() == THREADS
+    GATE.set()
+    for runner in runners:
+        runner.join(60)
+    assert not any(runner.is_alive() for runner in runners)
+    # Every call ran once, its message's turn come as threads freed.
+    assert _statuses() == {"done": 4 * THREADS}
+    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {call: 1 for m in messages for call, _ in m}
+
+
+def test_a_message_whose_start_fails_gives_its_room_back(fresh_pool, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the start failed")
+
+    monkeypatch.setattr(CallQueue.objects, "start_many", broken)
+    (message,) = _messages(1, 3)
+    with pytest.raises(RuntimeError):
+        execute_many(message)
+    assert handlerpool.waiting() == 0
+
