@@ -9,7 +9,7 @@ which a key's arrival guard learns, held the wait behind every other message's c
 600 calls of 100 ms, `-c 32`, 16 per message: the largest 1.2-1.6 s, where the guard stops at
 GUARD_MAX, 250 ms). So a message reserves room for its calls first: it starts them while fewer
 calls wait for a thread than the process has threads (one round of handlers), and waits
-otherwise (the same rows: 0.1-0.23 s).
+otherwise (the same rows: 0.1-0.35 s on a loaded machine).
 """
 from __future__ import annotations
 
