@@ -275,7 +275,7 @@ def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
     limit, seconds = 50, ctx.sizes.utilisation_seconds
     reset_tables()
     edit.set_policy("util", limit, timedelta(seconds=1), burst=burst)
-    backlog(int(limit * (seconds + 15)), keys=["util"])
+    backlog(int(limit * (seconds + 15)), method="bench.stamp", keys=["util"])
     procs = ctx.processes()
     try:
         for _ in range(2):
@@ -302,14 +302,19 @@ def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
         allowed = limit * seconds
         name, kept = f"utilisation (50/s, 4 dispensers, 4 worker processes, {seconds:g} s)", f"worst window {worst}/{limit}"
     else:
-        # A bucket allows its burst plus what refills: burst + rate * t units over any span t.
-        worst = max(
-            (j - i + 1) - limit * (starts[j] - starts[i]) for i in range(len(starts)) for j in range(i, len(starts))
-        ) if starts else 0
+        # A bucket allows its burst plus what refills: burst + rate * t units over any span t,
+        # where the API counts: when each handler ran (bench.stamp). A held key's buckets judge a
+        # start at its send moment, the start plus its hold (``dispatcher.arrivals``), and the
+        # worker holds the handler until then: the starts alone may look a fraction of a unit
+        # over when a later start's hold is shorter than an earlier one's.
+        ran = sorted(
+            result["t"] for result in CallQueue.objects.filter(status="done").values_list("result", flat=True)
+        )
+        worst = _beyond_refill(ran, limit)
         check(worst <= burst + 1e-6, f"{worst:.2f} units beyond the refill in one run, burst {burst}")
         allowed = burst + limit * seconds
         name = f"utilisation, token bucket (50/s, burst 50, 4 dispensers, 4 worker processes, {seconds:g} s)"
-        kept = f"worst run {worst:.1f}/{burst} over the refill"
+        kept = f"worst run {worst:.1f}/{burst} over the refill at the handlers ({_beyond_refill(starts, limit):.1f} at the starts)"
     used = len(in_run) / allowed
     return [
         Figure(
@@ -321,6 +326,14 @@ def _utilisation(ctx: Context, burst: int | None) -> list[Figure]:
             {"starts_in_run": len(in_run), "worst": worst, "utilisation": used},
         )
     ]
+
+
+def _beyond_refill(times: list[float], rate: float) -> float:
+    """The most units of any run of sorted ``times`` beyond what a bucket refills at ``rate`` during it."""
+    return max(
+        ((j - i + 1) - rate * (times[j] - times[i]) for i in range(len(times)) for j in range(i, len(times))),
+        default=0,
+    )
 
 
 # --- cost of a start and a claim vs the size of the limit ---------------------------------------
