@@ -10,11 +10,20 @@ which a key's arrival guard learns, held the wait behind every other message's c
 GUARD_MAX, 250 ms). So a message reserves room for its calls first: it starts them while fewer
 calls wait for a thread than the process has threads (one round of handlers), and waits
 otherwise (the same rows: 0.1-0.35 s on a loaded machine).
+
+A round of slow handlers (an API that answers in seconds) is longer than any guard: a call
+started behind it would go out seconds after its start. So a message also starts only the calls
+the process's threads are expected to take within AHEAD, by how long its handlers lately took
+and how long those at work have run; while none of this process's calls waits for a thread, it
+starts the part that fits and the rest as threads come free (``worker.execute_many``). Until a
+handler of the process has returned, nothing is known of their time: the first rule alone holds.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -42,6 +51,20 @@ _pool_lock = threading.Lock()
 # Calls of this process's messages that have room reserved and no thread yet (``reserve``).
 _waiting = 0
 _changed = threading.Condition()
+
+# How soon a call must be expected to take a thread for its message to start it (seconds): well
+# within what a key's learnt guard covers (GUARD_MAX, 250 ms, less the configured 20 ms).
+AHEAD = 0.2
+# What the threads are expected to take before anything is known: more than any message carries.
+UNBOUNDED = 1 << 30
+# How often a message waiting for room looks again (seconds): a thread at work nears its end
+# with no one to say so.
+RECHECK = 0.05
+# The handlers at work in this process (when each began, by thread), and how long its handlers
+# lately took (seconds; an average weighted TOOK_WEIGHT to the latest; None: none returned yet).
+_running: dict[int, float] = {}
+_took: float | None = None
+TOOK_WEIGHT = 0.2
 
 
 def handler_threads() -> int:
@@ -73,16 +96,46 @@ def handler_pool() -> ThreadPoolExecutor:
     return _pool[1]
 
 
-def reserve(calls: int, timeout: float = ROOM_WAIT) -> None:
-    """Wait until fewer calls wait for a handler thread of this process than it has threads (at
-    most ``timeout``), then count a message's ``calls`` as waiting, before it starts them. Each
-    stops waiting once a thread takes it (``hand_over``) or its room is given back
-    (``give_back``: it did not start)."""
+def reserve(calls: int, timeout: float = ROOM_WAIT, *, anyway: bool = True) -> int:
+    """Wait until a message's ``calls`` have room (at most ``timeout``), count those that may start
+    now as waiting for a handler thread, and return how many they are: all of them, once fewer
+    calls wait than the process has threads and its threads are expected to take them all within
+    AHEAD; the part expected to be taken so, while no call waits; when ``timeout`` passes, all
+    (``anyway``) or none. Each stops waiting once a thread takes it (``hand_over``) or its room is
+    given back (``give_back``: it did not start)."""
     global _waiting
     limit = handler_threads()
+    deadline = time.monotonic() + timeout
     with _changed:
-        _changed.wait_for(lambda: _waiting < limit, timeout=timeout)
-        _waiting += calls
+        while True:
+            now = time.monotonic()
+            fit = min(calls, max(_expected(limit, now) - _waiting, 0)) if _waiting < limit else 0
+            if fit == calls or (fit and not _waiting):
+                break
+            if now >= deadline:
+                fit = calls if anyway else 0
+                break
+            # Only the expected part changes with time alone; the count of waiting calls, when told.
+            _changed.wait(min(deadline - now, RECHECK) if _waiting < limit else deadline - now)
+        _waiting += fit
+    return fit
+
+
+def _expected(limit: int, now: float) -> int:
+    """How many calls this process's ``limit`` threads are expected to take within AHEAD, from how
+    long its handlers lately took and how long those at work have run (a handler at work twice
+    that long is not expected back soon). Unbounded until a handler has returned. Under ``_changed``."""
+    if _took is None:
+        return UNBOUNDED
+    took = max(_took, 1e-4)
+    each = 1 + math.floor(AHEAD / took)  # what an idle thread takes within AHEAD
+    expected = max(limit - len(_running), 0) * each
+    for began in _running.values():
+        ran = now - began
+        left = max(took - ran, 0.0)
+        if ran <= 2 * took and left <= AHEAD:
+            expected += 1 + math.floor((AHEAD - left) / took)
+    return expected
 
 
 def give_back(calls: int) -> None:
@@ -108,8 +161,22 @@ def hand_over(runs: Iterable[T], handler: Callable[[T], R]) -> dict[Future[R], T
 
 
 def _taken(handler: Callable[[T], R], run: T) -> R:
-    give_back(1)
-    return handler(run)
+    """Run a reserved call's handler in a pool thread: it stops waiting, and its time is kept."""
+    global _waiting, _took
+    thread, began = threading.get_ident(), time.monotonic()
+    with _changed:
+        _waiting -= 1
+        _running[thread] = began
+        _changed.notify_all()
+    try:
+        return handler(run)
+    finally:
+        took = time.monotonic() - began
+        with _changed:
+            _running.pop(thread, None)
+            _took = took if _took is None else _took + TOOK_WEIGHT * (took - _took)
+            if not _waiting:  # else the thread takes a waiting call next (and says so)
+                _changed.notify_all()
 
 
 def waiting() -> int:

@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -330,35 +330,48 @@ Ran = tuple[Outcome, Any, tuple[float | None, Any, arrivals.Sent | None]]
 
 def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     """Run the deliveries of one message: start them together once the process's handler threads
-    can soon take them, run their handlers at once (the process's pool of handler threads), record
-    each outcome as its handler returns (the successes that return together in one statement);
-    return the count of each outcome."""
+    can soon take them (in parts, as threads come free, behind slow handlers), run their handlers
+    at once (the process's pool of handler threads), record each outcome as its handler returns
+    (the successes that return together in one statement); return the count of each outcome."""
     outcomes: dict[str, int] = {}
-    # The message's calls start once the process's handler threads can soon take them
-    # (``handlerpool``): each start then counts from about when its request goes.
-    handlerpool.reserve(len(deliveries))
-    runs: list[Run] = []
-    try:
-        runs = _start_group(deliveries, outcomes)
-    finally:
-        handlerpool.give_back(len(deliveries) - len(runs))
-    if not runs:
-        return outcomes
-    # All of the message's calls go to the pool at once, whose threads take them in order. A
-    # `-c N` worker's messages share one pool of N: handing a message's calls over a few at a
-    # time left threads idle while the calls of a message it had started waited their turn, and
-    # its other messages waited for a slot (measured: slots 60-82% busy at the API, 71-84% so).
-    futures = handlerpool.hand_over(runs, _call_handler_in_pool)
-    waiting = set(futures)
-    # Each round records at least one call: as many rounds as calls at most.
-    for _ in range(len(runs)):
-        if not waiting:
-            break
-        done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
-        if waiting:  # what returns within GATHER of the first is recorded with it
-            more, waiting = wait(waiting, timeout=GATHER)
-            done |= more
-        _record_ran([(run, future.result()) for future, run in futures.items() if future in done], outcomes)
+    rest = list(deliveries)
+    futures: dict[Future[Ran], Run] = {}
+    waiting: set[Future[Ran]] = set()
+    failed: Exception | None = None
+    while rest or waiting:
+        count = 0
+        if rest:
+            # The calls start once the process's threads can soon take them (``handlerpool``):
+            # each start then counts from about when its request goes. With a part at work, the
+            # message looks for room a moment at a time, recording what returned meanwhile.
+            wait_for = handlerpool.RECHECK if waiting else handlerpool.ROOM_WAIT
+            count = handlerpool.reserve(len(rest), wait_for, anyway=not waiting)
+        if count:
+            part, rest = rest[:count], rest[count:]
+            runs: list[Run] = []
+            try:
+                runs = _start_group(part, outcomes)
+            except Exception as exc:  # the calls at work are recorded first; the rest stay dispatched
+                if not waiting:
+                    raise
+                failed, rest = exc, []
+            finally:
+                handlerpool.give_back(len(part) - len(runs))
+            # A part's calls go to the pool at once, whose threads take them in order. A `-c N`
+            # worker's messages share one pool of N: handing calls over a few at a time left
+            # threads idle while started calls waited (slots busy at the API 60-82%, 71-84% so).
+            started = handlerpool.hand_over(runs, _call_handler_in_pool)
+            futures.update(started)
+            waiting |= set(started)
+        if waiting:
+            done, waiting = wait(waiting, timeout=0 if rest else None, return_when=FIRST_COMPLETED)
+            if done and waiting:  # what returns within GATHER of the first is recorded with it
+                more, waiting = wait(waiting, timeout=GATHER)
+                done |= more
+            if done:
+                _record_ran([(run, future.result()) for future, run in futures.items() if future in done], outcomes)
+    if failed is not None:
+        raise failed
     return outcomes
 
 

@@ -45,6 +45,7 @@ def fresh_pool(monkeypatch):
     """A process whose worker said no pool size (a prefork child's MESSAGE_THREADS threads), the
     gate closed; every call's room is back at the end."""
     monkeypatch.setattr(liveness, "_main_slots", None)
+    monkeypatch.setattr(handlerpool, "_took", None)  # no handler of this process has returned yet
     GATE.clear()
     yield
     GATE.set()
@@ -71,6 +72,34 @@ def test_messages_beyond_a_round_of_waiting_calls_do_not_start_until_threads_tak
     # Every call ran once, its message's turn come as threads freed.
     assert _statuses() == {"done": 4 * THREADS}
     assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {call: 1 for m in messages for call, _ in m}
+
+
+def test_behind_slow_handlers_a_message_starts_only_the_calls_threads_can_soon_take(fresh_pool):
+    # The process's handlers lately took about 2 s each (a round held at the gate that long).
+    (warm,) = _messages(1, THREADS)
+    runner = threading.Thread(target=_run, args=(warm,))
+    runner.start()
+    time.sleep(2.0)
+    GATE.set()
+    runner.join(60)
+    GATE.clear()
+    # A message of more calls than threads: the idle threads' worth starts; the others would wait
+    # a whole slow round for a thread, so they wait unstarted (dispatched), not counted started.
+    (message,) = _messages(1, THREADS + 4)
+    runner = threading.Thread(target=_run, args=(message,))
+    runner.start()
+    deadline = time.monotonic() + 20
+    while _statuses()["running"] < THREADS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)  # well before the round is expected to end (2 s less AHEAD)
+    assert _statuses() == {"done": THREADS, "running": THREADS, "dispatched": 4}
+    assert handlerpool.waiting() == 0
+    # As the threads come free, the rest start and run; every call ran once.
+    GATE.set()
+    runner.join(60)
+    assert not runner.is_alive()
+    assert _statuses() == {"done": 2 * THREADS + 4}
+    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {call: 1 for m in (warm, message) for call, _ in m}
 
 
 def test_a_message_whose_start_fails_gives_its_room_back(fresh_pool, monkeypatch):
