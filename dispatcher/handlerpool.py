@@ -16,7 +16,7 @@ started behind it would go out seconds after its start. So a message also starts
 the process's threads are expected to take within AHEAD, by how long its handlers lately took
 and how long those at work have run; while none of this process's calls waits for a thread, it
 starts the part that fits and the rest as threads come free (``worker.execute_many``). Until a
-handler of the process has returned, nothing is known of their time: the first rule alone holds.
+handler of the process has returned, nothing is known of their time: only idle threads count.
 """
 from __future__ import annotations
 
@@ -55,8 +55,6 @@ _changed = threading.Condition()
 # How soon a call must be expected to take a thread for its message to start it (seconds): well
 # within what a key's learnt guard covers (GUARD_MAX, 250 ms, less the configured 20 ms).
 AHEAD = 0.2
-# What the threads are expected to take before anything is known: more than any message carries.
-UNBOUNDED = 1 << 30
 # How often a message waiting for room looks again (seconds): a thread at work nears its end
 # with no one to say so.
 RECHECK = 0.05
@@ -124,12 +122,14 @@ def reserve(calls: int, timeout: float = ROOM_WAIT, *, anyway: bool = True) -> i
 def _expected(limit: int, now: float) -> int:
     """How many calls this process's ``limit`` threads are expected to take within AHEAD, from how
     long its handlers lately took and how long those at work have run (a handler at work twice
-    that long is not expected back soon). Unbounded until a handler has returned. Under ``_changed``."""
+    that long is not expected back soon). Until a handler has returned, the idle threads alone.
+    Under ``_changed``."""
+    idle = max(limit - len(_running), 0)
     if _took is None:
-        return UNBOUNDED
+        return idle
     took = max(_took, 1e-4)
     each = 1 + math.floor(AHEAD / took)  # what an idle thread takes within AHEAD
-    expected = max(limit - len(_running), 0) * each
+    expected = idle * each
     for began in _running.values():
         ran = now - began
         left = max(took - ran, 0.0)
