@@ -40,6 +40,37 @@ def _statuses() -> Counter:
     return Counter(CallQueue.objects.values_list("status", flat=True))
 
 
+def _handlers_took(seconds: float) -> list[tuple[int, int]]:
+    """Run a round of handlers held at the gate ``seconds``: the process knows its handlers take that long."""
+    (warm,) = _messages(1, THREADS)
+    runner = threading.Thread(target=_run, args=(warm,))
+    runner.start()
+    time.sleep(seconds)
+    GATE.set()
+    runner.join(60)
+    GATE.clear()
+    return warm
+
+
+def _start_all(messages: list[list[tuple[int, int]]], running: int) -> list[threading.Thread]:
+    """Run each message in a thread of its own; return once ``running`` calls run (at most 20 s), and a moment more."""
+    runners = [threading.Thread(target=_run, args=(message,)) for message in messages]
+    for runner in runners:
+        runner.start()
+    deadline = time.monotonic() + 20
+    while _statuses()["running"] < running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    return runners
+
+
+def _open_gate_and_join(runners: list[threading.Thread]) -> None:
+    GATE.set()
+    for runner in runners:
+        runner.join(60)
+    assert not any(runner.is_alive() for runner in runners)
+
+
 @pytest.fixture
 def fresh_pool(monkeypatch):
     """A process whose worker said no pool size (a prefork child's MESSAGE_THREADS threads), the
@@ -54,85 +85,48 @@ def fresh_pool(monkeypatch):
 
 def test_a_new_process_starts_only_what_its_idle_threads_take_until_a_handler_returns(fresh_pool):
     messages = _messages(4, THREADS)
-    runners = [threading.Thread(target=_run, args=(message,)) for message in messages]
-    for runner in runners:
-        runner.start()
-    deadline = time.monotonic() + 20
-    while _statuses()["running"] < THREADS and time.monotonic() < deadline:
-        time.sleep(0.02)
+    runners = _start_all(messages, THREADS)
     # One message's calls started, a round at work (the handlers wait for the gate). Nothing is
     # known yet of how long handlers take: the others wait to start, none waits for a thread.
-    time.sleep(0.5)
     assert _statuses() == {"running": THREADS, "dispatched": 3 * THREADS}
     assert handlerpool.waiting() == 0
-    GATE.set()
-    for runner in runners:
-        runner.join(60)
-    assert not any(runner.is_alive() for runner in runners)
+    _open_gate_and_join(runners)
     # Every call ran once, its message's turn come as threads freed.
     assert _statuses() == {"done": 4 * THREADS}
     assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {call: 1 for m in messages for call, _ in m}
 
 
 def test_beyond_a_round_of_waiting_calls_messages_wait_for_threads_to_take_calls(fresh_pool):
-    # Handlers known to take 0.15 s (a round held at the gate that long): those at work are
-    # expected back within AHEAD, yet a message starts only while fewer calls wait for a thread
-    # than the process has threads.
-    (warm,) = _messages(1, THREADS)
-    runner = threading.Thread(target=_run, args=(warm,))
-    runner.start()
-    time.sleep(0.15)
-    GATE.set()
-    runner.join(60)
-    GATE.clear()
+    # Handlers known to take 0.15 s: those at work are expected back within AHEAD, yet a message
+    # starts only while fewer calls wait for a thread than the process has threads.
+    warm = _handlers_took(0.15)
     messages = _messages(4, THREADS)
-    runners = [threading.Thread(target=_run, args=(message,)) for message in messages]
-    for runner in runners:
-        runner.start()
-    deadline = time.monotonic() + 20
-    while _statuses()["running"] < 2 * THREADS and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.5)
+    runners = _start_all(messages, 2 * THREADS)
     # Two messages' calls started: one round at work, one waiting for a thread. Nothing more
     # starts while no thread frees.
     assert _statuses() == {"done": THREADS, "running": 2 * THREADS, "dispatched": 2 * THREADS}
     assert handlerpool.waiting() == THREADS
-    GATE.set()
-    for runner in runners:
-        runner.join(60)
-    assert not any(runner.is_alive() for runner in runners)
+    _open_gate_and_join(runners)
     assert _statuses() == {"done": 5 * THREADS}
-    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {
-        call: 1 for m in (warm, *messages) for call, _ in m
-    }
+    ran = Counter(Attempt.objects.values_list("call_id", flat=True))
+    assert ran == {call: 1 for m in (warm, *messages) for call, _ in m}
 
 
 def test_behind_slow_handlers_a_message_starts_only_the_calls_threads_can_soon_take(fresh_pool):
-    # The process's handlers lately took about 2 s each (a round held at the gate that long).
-    (warm,) = _messages(1, THREADS)
-    runner = threading.Thread(target=_run, args=(warm,))
-    runner.start()
-    time.sleep(2.0)
-    GATE.set()
-    runner.join(60)
-    GATE.clear()
+    # The process's handlers lately took about 2 s each.
+    warm = _handlers_took(2.0)
     # A message of more calls than threads: the idle threads' worth starts; the others would wait
-    # a whole slow round for a thread, so they wait unstarted (dispatched), not counted started.
+    # a whole slow round for a thread, so they wait unstarted (dispatched), not counted started
+    # (looked at well before the round is expected to end: 2 s less AHEAD).
     (message,) = _messages(1, THREADS + 4)
-    runner = threading.Thread(target=_run, args=(message,))
-    runner.start()
-    deadline = time.monotonic() + 20
-    while _statuses()["running"] < THREADS and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)  # well before the round is expected to end (2 s less AHEAD)
+    runners = _start_all([message], THREADS)
     assert _statuses() == {"done": THREADS, "running": THREADS, "dispatched": 4}
     assert handlerpool.waiting() == 0
     # As the threads come free, the rest start and run; every call ran once.
-    GATE.set()
-    runner.join(60)
-    assert not runner.is_alive()
+    _open_gate_and_join(runners)
     assert _statuses() == {"done": 2 * THREADS + 4}
-    assert Counter(Attempt.objects.values_list("call_id", flat=True)) == {call: 1 for m in (warm, message) for call, _ in m}
+    ran = Counter(Attempt.objects.values_list("call_id", flat=True))
+    assert ran == {call: 1 for m in (warm, message) for call, _ in m}
 
 
 def test_a_message_whose_start_fails_gives_its_room_back(fresh_pool, monkeypatch):
