@@ -46,6 +46,15 @@ def _forget_learnt_limits():
     learning._throttled.clear()
 
 
+@pytest.fixture(autouse=True)
+def _forget_handler_times():
+    """Each test starts as a new worker process would: no handler of it has returned yet."""
+    from dispatcher import handlerpool
+
+    handlerpool._took = None
+    handlerpool._running.clear()
+
+
 @pytest.fixture
 def fake_api():
     api = FakeAPI().start()
