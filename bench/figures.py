@@ -548,19 +548,20 @@ class _HttpWorkload:
             [{"method": "http", "params": {"method": "GET", "url": self.url}, "keys": ["api"]} for _ in range(self.n)]
         )
         env = {} if per_message is None else {"DISPATCHER_CALLS_PER_MESSAGE": str(per_message)}
+        phase = str(per_message or "default")
         first = len(self.api.arrivals)
         self.meter.start()
         dispenser = self.procs.dispenser(extra_env=env)
         check(_wait_done(self.n, 600), f"only {count_status('done')} of {self.n} calls done")
-        self.cpu.setdefault(str(per_message or "default"), []).append(self.meter.stop())
+        self.cpu.setdefault(phase, []).append(self.meter.stop())
         self.procs.stop(dispenser)
         check(CallQueue.objects.filter(status="done").count() == self.n, "calls lost")
         # A missed attempt never sent (``arrivals.SendMissed``): its call waited again and ran once.
         missed = Attempt.objects.filter(outcome="missed").count()
         check(Attempt.objects.exclude(outcome="missed").count() == self.n, "a call ran twice")
-        self.missed.setdefault(str(per_message or "default"), []).append(missed)
-        self._slot_use(str(per_message or "default"), first)
-        self._send_delay(str(per_message or "default"))
+        self.missed.setdefault(phase, []).append(missed)
+        self._slot_use(phase, first)
+        self._send_delay(phase)
         span = Attempt.objects.aggregate(first=Min("started_at"), last=Max("finished_at"))
         return (span["last"] - span["first"]).total_seconds()
 

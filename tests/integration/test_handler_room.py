@@ -74,9 +74,9 @@ def _open_gate_and_join(runners: list[threading.Thread]) -> None:
 @pytest.fixture
 def fresh_pool(monkeypatch):
     """A process whose worker said no pool size (a prefork child's MESSAGE_THREADS threads), the
-    gate closed; every call's room is back at the end."""
+    gate closed; every call's room is back at the end. (No handler of it has returned yet: the
+    autouse fixture of tests/conftest.py.)"""
     monkeypatch.setattr(liveness, "_main_slots", None)
-    monkeypatch.setattr(handlerpool, "_took", None)  # no handler of this process has returned yet
     GATE.clear()
     yield
     GATE.set()
