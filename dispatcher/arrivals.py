@@ -44,9 +44,10 @@ from dispatcher.running import carry, here
 
 class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
-    database time, what its guard allows a request after the start, its buckets' periods, and
-    for a held key its hold and how late after the start its buckets let the request arrive
-    (the hold and the whole guard: ``reach``)."""
+    database time, what its guard allows a request after the start, its buckets' periods, for a
+    held key its hold and how late after the start its buckets let the request arrive (the hold
+    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard
+    (``delaywriter.remember_ahead``)."""
 
     spans: dict[str, timedelta]
     kept: dict[str, DelayMemory]
@@ -55,6 +56,7 @@ class Noted(NamedTuple):
     buckets: dict[str, list[timedelta]]
     holds: dict[str, timedelta]
     reach: dict[str, timedelta] | None = None
+    windows: frozenset[str] = frozenset()
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
@@ -63,7 +65,7 @@ class Noted(NamedTuple):
 
         return Noted(
             mine(self.spans), mine(self.kept), self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
-            mine(self.reach or {}),
+            mine(self.reach or {}), self.windows.intersection(keys),
         )
 
 
@@ -73,6 +75,9 @@ Buckets = dict[str, list[tuple[timedelta, int]]]
 # deadline on the database's clock or None, the pad; how far past their states they stand, or
 # None): the worker gives it, as this module loads with the package, before any model may be defined.
 MoveOn = Callable[[Buckets, int, "datetime | None", timedelta], "timedelta | None"]
+# Keeps a late request's delay for its window keys before it goes out (what its start noted, its
+# clock reading: ``delaywriter.remember_ahead``).
+Remember = Callable[[Noted, float], None]
 
 
 class Held(NamedTuple):
@@ -258,8 +263,13 @@ def hold(run: Any) -> None:
     longest hold of its keys after its start's clock reading; at once if the start held none),
     noting when it would have gone out without the hold; then ``release`` it."""
     run.natural = time.monotonic()
-    if run.hold_until is None:
-        return
+    if run.hold_until is not None:
+        _hold_to_moment(run)
+    _remember_ahead(run)
+
+
+def _hold_to_moment(run: Any) -> None:
+    """Hold a held request until its moment, then ``release`` it."""
     if run.hold_until - SPIN > run.natural:
         time.sleep(run.hold_until - SPIN - run.natural)
     while time.monotonic() < run.hold_until:
@@ -269,6 +279,14 @@ def hold(run: Any) -> None:
     run.held_latest = run.held.after + min(
         (allowed + run.held_moved.get(key, timedelta(0)) for key, allowed in run.held.allowed.items())
     ).total_seconds()
+
+
+def _remember_ahead(run: Any) -> None:
+    """Have the running request's window keys remember its delay before it goes out, where
+    their start's reading does not cover it (``delaywriter.remember_ahead``)."""
+    if run.ahead is not None:
+        noted, remember = run.ahead
+        remember(noted, run.clock_read)
 
 
 def release(held: Held) -> dict[str, timedelta]:
@@ -368,6 +386,8 @@ def mark_sent() -> None:
     if run.sent is None:
         if run.natural is None:
             hold(run)
+        else:
+            _remember_ahead(run)  # held when invoked: its window keys remember the send's delay first
         run.sent = time.monotonic()
 
 
@@ -394,17 +414,19 @@ def restore(noted: tuple[float | None, Noted | None, float | None] | None) -> No
 
 def begin(
     keys: list[str] | None = None, buckets: Buckets | None = None, moved: timedelta = timedelta(0),
-    move_on: MoveOn | None = None, start: int = 0,
+    move_on: MoveOn | None = None, start: int = 0, remember: Remember | None = None,
 ) -> tuple[float | None, Noted | None]:
     """Return, for a call just started, when its start's clock was read and what its start noted
     (for its ``keys`` only, when given); set until when its request is held, and what its
     ``release`` needs: the states its start left its ``buckets`` in, how far a late request had
     moved them on since its start read them (``moved``: its request goes out that much later),
-    ``move_on`` and the start's token."""
+    ``move_on`` and the start's token; and how to ``remember`` a delay before the request goes
+    out, for its window keys (``delaywriter.remember_ahead``)."""
     run = here()
     run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
     # A group's start noted all its calls' keys: this call's only.
     noted = run.noted if keys is None or run.noted is None else run.noted.of(keys)
+    run.ahead = (noted, remember) if noted is not None and noted.windows and remember and run.clock_read is not None else None
     if noted is not None and noted.holds and move_on is not None:
         # The start's clock on this process's clock (at the latest just after the start read it):
         # the request then leaves no sooner than the start's clock plus the hold, on the

@@ -1,6 +1,7 @@
 """The worker side: start a dispatched call, run its handler outside any transaction, record it."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 from celery.signals import worker_process_init
 from django.db import DatabaseError, InterfaceError, OperationalError, close_old_connections, connections
 
-from dispatcher import arrivals, handlerpool
+from dispatcher import arrivals, delaywriter, handlerpool
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.calls.start import StartState
 from dispatcher.calls.start import warm as warm_start
@@ -143,7 +144,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start)
+    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start, _AHEAD)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -243,6 +244,25 @@ def _move_on(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad
         return ledger.move_on(moved, start, deadline, pad, using=CallQueue.objects.db)
     finally:
         _set_checked(False)
+
+
+def _remember_ahead(spans: dict[str, timedelta], delay: timedelta) -> bool:
+    """Keep a late request's delay for its window keys before it goes out, from inside its
+    handler on the slot's thread, as our own statement (``_move_on``)."""
+    _set_checked(True)
+    try:
+        return delaywriter.remember(spans, delay, CallQueue.objects.db, own=True)
+    finally:
+        _set_checked(False)
+
+
+def _remember_ahead_pooled(spans: dict[str, timedelta], delay: timedelta) -> bool:
+    """The same from a handler thread of the process's pool (``delaywriter``)."""
+    return delaywriter.remember(spans, delay, CallQueue.objects.db, own=False)
+
+
+_AHEAD = functools.partial(delaywriter.remember_ahead, write=_remember_ahead)
+_AHEAD_POOLED = functools.partial(delaywriter.remember_ahead, write=_remember_ahead_pooled)
 
 
 def _call_handler(call: Any) -> Outcome:
@@ -463,7 +483,7 @@ def _call_handler_in_pool(run: Run) -> Ran:
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start)
+    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start, _AHEAD_POOLED)
     try:
         outcome = _call_handler(run.call)
         return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))

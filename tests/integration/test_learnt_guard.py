@@ -272,7 +272,9 @@ def test_a_message_keeps_its_calls_send_delays_without_opening_database_sessions
     from dispatcher.worker import execute_many
     from tests.integration.test_lifecycle import claim_all
 
-    edit.set_policy("late:*", 100, timedelta(minutes=1))
+    # Buckets with a burst: their delays are kept after the answers (a window key's late delay is
+    # kept before its request goes out, by the process's delay writer: test_window_late_send.py).
+    edit.set_policy("late:*", 100, timedelta(minutes=1), burst=100)
     # Four keys never measured: every call's delay is its key's first, so each is written.
     calls = [CallQueue.objects.send("late_send", {"delay": 0.02}, keys=[f"late:{i}"]) for i in range(4)]
     claimed = [c for call in calls for c in claim_all(call.key_set, 1).calls]

@@ -1,6 +1,7 @@
 """Handlers used by the tests; autodiscovered like any installed app's ``handlers`` module."""
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -25,12 +26,14 @@ def noop(**params: Any) -> None:
 
 
 @handler("late_send")
-def late_send(delay: float = 0.0, **params: Any) -> None:
-    """A handler that sends its request ``delay`` seconds after it is invoked."""
+def late_send(delay: float = 0.0, answer: float = 0.0, **params: Any) -> None:
+    """A handler that sends its request ``delay`` seconds after it is invoked, and whose answer
+    comes ``answer`` seconds after that."""
     import time
 
     time.sleep(delay)
     arrivals.mark_sent()
+    time.sleep(answer)
 
 
 def _clocks() -> dict[str, str]:
@@ -49,13 +52,20 @@ def db_clock(**params: Any) -> dict[str, str]:
 
 @handler("marked_clock")
 @marks_sent
-def marked_clock(work: float = 0.0, **params: Any) -> dict[str, str]:
-    """Work ``work`` seconds, mark the send and return the database clock then, and its start's."""
+def marked_clock(work: float = 0.0, answer: float = 0.0, atomic: bool = False, **params: Any) -> dict[str, str]:
+    """Work ``work`` seconds, mark the send and return the database clock then, and its start's,
+    once the answer came ``answer`` seconds later (a slow API); ``atomic``: all of it inside a
+    transaction of the handler's own."""
     import time
 
-    time.sleep(work)
-    arrivals.mark_sent()
-    return _clocks()
+    from django.db import transaction
+
+    with transaction.atomic() if atomic else contextlib.nullcontext():
+        time.sleep(work)
+        arrivals.mark_sent()
+        clocks = _clocks()
+    time.sleep(answer)
+    return clocks
 
 
 @handler("explode")

@@ -1,0 +1,162 @@
+"""A sliding window counts each start with the guard its key's measured start-to-send delays call
+for, so a delay measured on one request protects the starts after it. A request that goes out
+later than its key remembers is remembered before it goes: a start judged after it then counts
+it, even while its answer is still on its way (a slow API), where the delay was kept only once
+the answer came back before."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta
+from unittest import mock
+
+import pytest
+from django.db import connections
+from django.db.backends.signals import connection_created
+
+from dispatcher.clock import db_now
+from dispatcher.limits import edit, ledger
+from dispatcher.models import Attempt, CallQueue, KeyState
+from dispatcher.worker import execute, execute_many
+from tests.integration.test_shapes import claim_all, run_all
+
+MS = timedelta(milliseconds=1)
+SECOND = timedelta(seconds=1)
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def in_thread(call_id: int, dispatch_no: int, outcomes: dict[int, str]) -> threading.Thread:
+    """Run one delivery on a thread of its own (a worker's other slot); return the thread."""
+    def run() -> None:
+        try:
+            outcomes[call_id] = execute(call_id, dispatch_no)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def sent_at(calls: list[CallQueue]) -> list[datetime]:
+    """When each call's handler sent its request, on the database clock."""
+    moments = []
+    for call in calls:
+        call.refresh_from_db()
+        moments.append(datetime.fromisoformat(call.result["at"]))
+    return moments
+
+
+def most_in_any(period: timedelta, moments: list[datetime]) -> int:
+    """The most moments any closed interval of length ``period`` holds (what a sliding window at
+    the API counts)."""
+    ordered = sorted(moments)
+    return max(sum(1 for m in ordered[i:] if m - first <= period) for i, first in enumerate(ordered))
+
+
+def run_as_they_fit(calls: list[CallQueue], deadline: float) -> None:
+    """Claim and start the calls as soon as their window lets them (a dispenser and a worker that
+    are never late), until all ran or ``deadline`` (monotonic) passes."""
+    waiting = {call.id for call in calls}
+    while waiting and time.monotonic() < deadline:
+        for claimed in claim_all(calls[0].key_set).calls:
+            if execute(claimed.id, claimed.dispatch_no) == "done":
+                waiting.discard(claimed.id)
+        time.sleep(0.005)
+    assert not waiting, "calls the window should have let through in time"
+
+
+def test_a_late_request_behind_a_slow_api_is_counted_by_the_starts_a_period_later():
+    """A window of 5 per second. The first call's handler works 150 ms before it sends and its
+    answer takes 2 s; four more go at once. The window frees a second after those starts: the
+    five calls then admitted must leave the late request's second alone. Before, its delay was
+    kept only with its answer, 2 s later: the next five started 1.02 s after it and went out
+    within a second of its request, six in one second at the API."""
+    edit.set_policy("win", 5, SECOND)
+    late = CallQueue.objects.send("marked_clock", {"work": 0.15, "answer": 2.0}, keys=["win"])
+    quick = [CallQueue.objects.send("marked_clock", {}, keys=["win"]) for _ in range(4)]
+    claimed = {c.id: c for c in claim_all(late.key_set).calls}
+    assert set(claimed) == {late.id, *(c.id for c in quick)}
+    outcomes: dict[int, str] = {}
+    thread = in_thread(late.id, claimed[late.id].dispatch_no, outcomes)
+    assert run_all([claimed[c.id] for c in quick]) == ["done"] * 4
+    after = [CallQueue.objects.send("marked_clock", {}, keys=["win"]) for _ in range(5)]
+    run_as_they_fit(after, time.monotonic() + 6)
+    thread.join(10)
+    assert outcomes == {late.id: "done"}
+    moments = sent_at([late, *quick, *after])
+    assert most_in_any(SECOND, moments) <= 5, sorted(moments)
+
+
+def test_a_window_key_remembers_a_late_requests_delay_before_its_answer_comes():
+    edit.set_policy("win", 5, SECOND)
+    call = CallQueue.objects.send("marked_clock", {"work": 0.1, "answer": 0.6}, keys=["win"])
+    (claimed,) = claim_all(call.key_set).calls
+    outcomes: dict[int, str] = {}
+    thread = in_thread(call.id, claimed.dispatch_no, outcomes)
+    time.sleep(0.35)  # its request went out, its answer has not come
+    remembered = KeyState.objects.get(key="win").send_delay_us
+    thread.join(10)
+    assert outcomes == {call.id: "done"}
+    assert remembered >= 100_000
+
+
+def test_a_delay_the_key_already_remembers_is_not_written_before_the_send():
+    """The steady state: what the start read covers the delay, so no round trip before the send
+    (nor after it)."""
+    edit.set_policy("win", 5, SECOND)
+    KeyState.objects.update_or_create(key="win", defaults={"send_delay_us": 200_000, "send_delay_since": db_now()})
+    call = CallQueue.objects.send("marked_clock", {"work": 0.05}, keys=["win"])
+    with mock.patch.object(ledger, "remember_send_delay", wraps=ledger.remember_send_delay) as writes:
+        assert run_all(claim_all(call.key_set).calls) == ["done"]
+    assert writes.call_count == 0
+    assert KeyState.objects.get(key="win").send_delay_us == 200_000
+
+
+def test_a_request_sent_inside_the_handlers_own_transaction_still_goes_and_its_delay_is_kept_after():
+    """Inside the handler's transaction the write would be seen only once the handler commits:
+    the request goes out as before, and its delay is kept once the handler has returned."""
+    edit.set_policy("win", 5, SECOND)
+    call = CallQueue.objects.send("marked_clock", {"work": 0.1, "atomic": True}, keys=["win"])
+    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    assert KeyState.objects.get(key="win").send_delay_us >= 100_000
+    assert list(Attempt.objects.values_list("outcome", flat=True)) == ["done"]
+
+
+def test_a_messages_handler_threads_remember_ahead_and_open_no_session_of_their_own():
+    """A message's calls run on the process's handler threads, which close their connections
+    after each handler. Their late requests' delays are kept before they go out all the same: on
+    PostgreSQL by the process's delay writer, on one connection it keeps for the next ones. (The
+    handler marks its send after it was invoked, where it was held: its send's delay counts.)"""
+    edit.set_policy("win:*", 5, SECOND)
+    calls = [CallQueue.objects.send("late_send", {"delay": 0.1, "answer": 0.6}, keys=[f"win:{i}"]) for i in range(3)]
+    claimed = [c for call in calls for c in claim_all(call.key_set, 1).calls]
+    opened: list[str] = []
+
+    def count(sender, connection, **kwargs):
+        opened.append(threading.current_thread().name)
+
+    outcomes: dict[str, int] = {}
+
+    def run() -> None:
+        try:
+            outcomes.update(execute_many([(c.id, c.dispatch_no) for c in claimed]))
+        finally:
+            connections.close_all()
+
+    connection_created.connect(count)
+    try:
+        thread = threading.Thread(target=run, name="slot")
+        thread.start()
+        time.sleep(0.4)  # the requests went out, their answers have not come
+        remembered = dict(KeyState.objects.filter(key__startswith="win:").values_list("key", "send_delay_us"))
+        thread.join(10)
+    finally:
+        connection_created.disconnect(count)
+    assert outcomes == {"done": 3}
+    assert all(state.send_delay_us >= 100_000 for state in KeyState.objects.filter(key__startswith="win:"))
+    if connections["default"].vendor == "postgresql":  # on SQLite each handler thread writes, as it can
+        assert sorted(remembered) == ["win:0", "win:1", "win:2"]
+        assert min(remembered.values()) >= 100_000
+        # The slot's own and the writer's (the three writes share it); no handler thread's.
+        assert sorted(opened) == ["dispatcher-delays_0", "slot"], opened
