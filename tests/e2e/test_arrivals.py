@@ -6,9 +6,16 @@ the calls use is a timing figure: printed here, held to its target by the benchm
 smooth rates behind a real nginx ``limit_req``)."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
+from dispatcher import liveness
+from dispatcher.limits import edit
+from dispatcher.models import CallQueue
 from support.arrivals import SHAPES, run_shapes
+from support.fakeapi import Window
+from support.processes import wait_until
 
 
 @pytest.mark.postgres
@@ -49,3 +56,27 @@ def test_calls_sent_several_per_message_are_kept_at_the_api(procs, fake_api):
     # the bucket lowest, too close to the 90% line of the tests above to hold under load.
     figures = run_shapes(procs, fake_api, {"DISPATCHER_CALLS_PER_MESSAGE": "4"})
     assert {name: f["refused"] for name, f in figures.items()} == dict.fromkeys(SHAPES, 0), figures
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_late_request_behind_a_slow_api_keeps_the_window_at_the_api(procs, fake_api):
+    """A partner allowing 5 per second on arrival, answering each request 1.5 s after it came (an
+    API slower than its window), our window of 5 per second, a `-P threads` worker at default
+    settings. The first call's request goes out 150 ms after its start. Its key must count that
+    delay for the starts a second later, before its answer comes: kept only with its answer, the
+    next five went out within a second of it and the partner refused one (the code before this
+    test: a 429 in 3 of 3 runs)."""
+    fake_api.shapes["win"] = Window(5, 1.0)
+    fake_api.latency = (1.5, 1.5)
+    edit.set_policy("win", 5, timedelta(seconds=1))
+    for i in range(10):
+        params = {"url": f"{fake_api.url}/win/{i}", "late": 0.15 if i == 0 else 0.0}
+        CallQueue.objects.send("pooled_get", params, keys=["win"])
+    # Slots for all ten: the five calls a second later start as soon as the window lets them.
+    procs.worker(procs.queue, concurrency=16, pool="threads")
+    assert wait_until(lambda: liveness.worker_slots() == 16, timeout=30), procs.logs()
+    procs.dispenser()
+    assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == 10, timeout=60), procs.logs()
+    assert fake_api.refused["win"] == 0, sorted(a.at for a in fake_api.arrivals)
+    assert len(fake_api.answered) == 10

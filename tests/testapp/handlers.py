@@ -110,8 +110,13 @@ _client = httpx.Client(timeout=10, trust_env=False)
 
 @handler("pooled_get")
 @marks_sent  # held where the trace hook marks the send, as the http handler is
-def pooled_get(url: str, headers: dict[str, str] | None = None) -> dict[str, int]:
-    """GET through one connection pool per process: what the http handler does with a pooled client."""
+def pooled_get(url: str, headers: dict[str, str] | None = None, late: float = 0.0) -> dict[str, int]:
+    """GET through one connection pool per process: what the http handler does with a pooled
+    client (``late``: that many seconds after it is invoked, a worker's slow moment)."""
+    if late:
+        import time
+
+        time.sleep(late)
     # The trace hook marks the moment the request's headers go out: the measured send.
     response = _client.get(url, headers=headers or {}, extensions={"trace": arrivals.trace})
     if response.status_code == 429:
