@@ -64,7 +64,9 @@ class Noted(NamedTuple):
             return {key: value for key, value in values.items() if key in keys}
 
         return Noted(
-            mine(self.spans), mine(self.kept), self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
+            # What its memories hold is shared: a late call that writes one (``delaywriter``) tells
+            # the later calls of the same start what the database now keeps.
+            mine(self.spans), self.kept, self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
             mine(self.reach or {}), self.windows.intersection(keys),
         )
 

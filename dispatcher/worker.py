@@ -29,6 +29,7 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.limits import ledger
+from dispatcher.limits.guard import DelayMemory
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.neterrors import network_cause
 from dispatcher.registry import get_handler
@@ -246,7 +247,7 @@ def _move_on(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad
         _set_checked(False)
 
 
-def _remember_ahead(spans: dict[str, timedelta], delay: timedelta) -> bool:
+def _remember_ahead(spans: dict[str, timedelta], delay: timedelta) -> dict[str, DelayMemory] | None:
     """Keep a late request's delay for its window keys before it goes out, from inside its
     handler on the slot's thread, as our own statement (``_move_on``)."""
     _set_checked(True)
@@ -256,7 +257,7 @@ def _remember_ahead(spans: dict[str, timedelta], delay: timedelta) -> bool:
         _set_checked(False)
 
 
-def _remember_ahead_pooled(spans: dict[str, timedelta], delay: timedelta) -> bool:
+def _remember_ahead_pooled(spans: dict[str, timedelta], delay: timedelta) -> dict[str, DelayMemory] | None:
     """The same from a handler thread of the process's pool (``delaywriter``)."""
     return delaywriter.remember(spans, delay, CallQueue.objects.db, own=False)
 

@@ -48,13 +48,14 @@ def _forget_learnt_limits():
 
 @pytest.fixture(autouse=True)
 def _forget_handler_times():
-    """Each test starts as a new worker process would: no handler of it has returned yet, and its
-    delay writer has no connection open (one kept would also keep the test database from being
-    dropped)."""
+    """Each test starts as a new worker process would: no handler of it has returned yet, it knows
+    no key's memory of delays, and its delay writer has no connection open (one kept would also
+    keep the test database from being dropped)."""
     from dispatcher import delaywriter, handlerpool
 
     handlerpool._took = None
     handlerpool._running.clear()
+    delaywriter._known.clear()
     yield
     delaywriter.close()
 

@@ -13,7 +13,7 @@ from django.db.models.functions import Now
 from dispatcher import tables
 from dispatcher.clock import db_now, to_us
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits.guard import GUARD_MAX, delay_memory, remember_delay
+from dispatcher.limits.guard import GUARD_MAX, DelayMemory, delay_memory, remember_delay
 from dispatcher.limits.locks import alias, lock_keys
 from dispatcher.store import limit_sql, schema
 from dispatcher.store.folded import can_fold
@@ -127,8 +127,21 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
     finds them (their place in the table), and a start holding one of them while waiting for the
     other would deadlock with it (the soak test met one a second).
     """
+    return len(_remember_send_delay(spans, delay, using, kept=False))
+
+
+def remember_send_delay_kept(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> dict[str, DelayMemory]:
+    """Keep a start-to-send delay as ``remember_send_delay`` does; return each key's memory as it
+    then stands, written or not (a worker's later calls then skip what it already covers)."""
+    return _remember_send_delay(spans, delay, using, kept=True)
+
+
+def _remember_send_delay(
+    spans: Mapping[str, timedelta], delay: timedelta, using: str | None, *, kept: bool
+) -> dict[str, DelayMemory]:
+    """Return the memories written (``kept``: every key's, written or not)."""
     if not spans:
-        return 0
+        return {}
     db = alias(using)
     if schema.postgresql_path(db):
         us = delay // timedelta(microseconds=1)
@@ -137,22 +150,30 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
             if several:
                 lock_keys(list(spans), using=db)
             with connections[db].cursor() as cursor:
-                cursor.execute(limit_sql.remember_send_delay(), {"keys": list(spans), "spans": list(spans.values()), "us": us})
-                written: int = cursor.rowcount
-                return written
-    written = 0
+                params: dict[str, Any] = {"keys": list(spans), "spans": list(spans.values()), "us": us}
+                cursor.execute(limit_sql.remember_send_delay(kept), params)
+                if not kept:
+                    return dict.fromkeys(list(spans)[: cursor.rowcount], DelayMemory())
+                return {
+                    key: DelayMemory(timedelta(microseconds=current), timedelta(microseconds=previous), since)
+                    for key, current, previous, since in cursor.fetchall()
+                }
+    memories: dict[str, DelayMemory] = {}
     states = tables.KeyState.objects.using(db)
     with transaction.atomic(using=db):
         now = db_now(db)
         for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
-            kept = remember_delay(delay_memory(state), now, spans[state.key], delay)
-            if kept is not None:
-                written += states.filter(key=state.key).update(
-                    send_delay_us=kept.current // timedelta(microseconds=1),
-                    send_delay_prev_us=kept.previous // timedelta(microseconds=1),
-                    send_delay_since=kept.since,
+            memory = remember_delay(delay_memory(state), now, spans[state.key], delay)
+            if memory is not None:
+                states.filter(key=state.key).update(
+                    send_delay_us=memory.current // timedelta(microseconds=1),
+                    send_delay_prev_us=memory.previous // timedelta(microseconds=1),
+                    send_delay_since=memory.since,
                 )
-    return written
+                memories[state.key] = memory
+            elif kept:
+                memories[state.key] = delay_memory(state)
+    return memories
 
 
 def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:

@@ -107,17 +107,15 @@ def adjust_reserved(keys: int) -> str:
 
 
 @functools.cache
-def remember_send_delay() -> str:
+def remember_send_delay(kept: bool = False) -> str:
     """Keep a measured start-to-send delay (%(us)s microseconds) on keys %(keys)s, each with its
     memory span %(spans)s (guard.remember_delay): a span gone by rolls the memory over, a larger
-    delay raises it; other rows are not touched (nor locked)."""
+    delay raises it; other rows are not touched (nor locked). ``kept``: return every key's
+    memory as it then stands (key, current, previous, since), written or not."""
     current, previous = column("KeyState", "send_delay_us"), column("KeyState", "send_delay_prev_us")
     since, key = column("KeyState", "send_delay_since"), column("KeyState", "key")
     rolls = f"s.{since} IS NULL OR m.t >= s.{since} + m.span"
-    return f"""
-        WITH m AS (
-            SELECT k.key, k.span, {CLOCK} AS t FROM unnest(%(keys)s::text[], %(spans)s::interval[]) AS k(key, span)
-        )
+    update = f"""
         UPDATE {table('KeyState')} AS s SET
             {previous} = CASE
                 WHEN s.{since} IS NULL OR m.t >= s.{since} + 2 * m.span THEN 0
@@ -127,6 +125,18 @@ def remember_send_delay() -> str:
             {since} = CASE WHEN {rolls} THEN m.t ELSE s.{since} END
         FROM m
         WHERE s.{key} = m.key AND ({rolls} OR s.{current} < %(us)s)
+    """
+    given = f"SELECT k.key, k.span, {CLOCK} AS t FROM unnest(%(keys)s::text[], %(spans)s::interval[]) AS k(key, span)"
+    if not kept:
+        return f"WITH m AS ({given}) {update}"
+    # The rows it did not write are read as they were (the statement's one snapshot).
+    state = f"s.{key}, s.{current}, s.{previous}, s.{since}"
+    return f"""
+        WITH m AS ({given}), w AS ({update} RETURNING {state})
+        SELECT * FROM w
+        UNION ALL
+        SELECT {state} FROM {table('KeyState')} AS s JOIN m ON s.{key} = m.key
+        WHERE s.{key} NOT IN (SELECT {key} FROM w)
     """
 
 
