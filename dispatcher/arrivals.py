@@ -46,7 +46,8 @@ class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
     database time, what its guard allows a request after the start, its buckets' periods, for a
     held key its hold and how late after the start its buckets let the request arrive (the hold
-    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard
+    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard (their
+    shortest window period)
     (``delaywriter.remember_ahead``)."""
 
     spans: dict[str, timedelta]
@@ -56,7 +57,7 @@ class Noted(NamedTuple):
     buckets: dict[str, list[timedelta]]
     holds: dict[str, timedelta]
     reach: dict[str, timedelta] | None = None
-    windows: frozenset[str] = frozenset()
+    windows: dict[str, timedelta] = {}  # noqa: RUF012 - never changed: a NamedTuple's default
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
@@ -67,7 +68,7 @@ class Noted(NamedTuple):
             # What its memories hold is shared: a late call that writes one (``delaywriter``) tells
             # the later calls of the same start what the database now keeps.
             mine(self.spans), self.kept, self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
-            mine(self.reach or {}), self.windows.intersection(keys),
+            mine(self.reach or {}), mine(self.windows),
         )
 
 
@@ -77,7 +78,7 @@ Buckets = dict[str, list[tuple[timedelta, int]]]
 # deadline on the database's clock or None, the pad; how far past their states they stand, or
 # None): the worker gives it, as this module loads with the package, before any model may be defined.
 MoveOn = Callable[[Buckets, int, "datetime | None", timedelta], "timedelta | None"]
-# Keeps a late request's delay for its window keys before it goes out (what its start noted, its
+# Keeps a late request's delay for its window keys as it goes out (what its start noted, its
 # clock reading: ``delaywriter.remember_ahead``).
 Remember = Callable[[Noted, float], None]
 
@@ -284,7 +285,7 @@ def _hold_to_moment(run: Any) -> None:
 
 
 def _remember_ahead(run: Any) -> None:
-    """Have the running request's window keys remember its delay before it goes out, where
+    """Have the running request's window keys remember its delay as it goes out, where
     their start's reading does not cover it (``delaywriter.remember_ahead``)."""
     if run.ahead is not None:
         noted, remember = run.ahead
@@ -389,7 +390,7 @@ def mark_sent() -> None:
         if run.natural is None:
             hold(run)
         else:
-            _remember_ahead(run)  # held when invoked: its window keys remember the send's delay first
+            _remember_ahead(run)  # held when invoked: its window keys remember the send's delay
         run.sent = time.monotonic()
 
 

@@ -1,7 +1,6 @@
 """The worker side: start a dispatched call, run its handler outside any transaction, record it."""
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.costs import take_reported
 from dispatcher.exceptions import PermanentError, RateLimited, UnknownMethod
 from dispatcher.limits import ledger
-from dispatcher.limits.guard import DelayMemory
 from dispatcher.models import Attempt, CallQueue
 from dispatcher.neterrors import network_cause
 from dispatcher.registry import get_handler
@@ -145,7 +143,7 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start, _AHEAD)
+    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start, _remember_ahead)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -247,23 +245,10 @@ def _move_on(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad
         _set_checked(False)
 
 
-def _remember_ahead(spans: dict[str, timedelta], delay: timedelta) -> dict[str, DelayMemory] | None:
-    """Keep a late request's delay for its window keys before it goes out, from inside its
-    handler on the slot's thread, as our own statement (``_move_on``)."""
-    _set_checked(True)
-    try:
-        return delaywriter.remember(spans, delay, CallQueue.objects.db, own=True)
-    finally:
-        _set_checked(False)
-
-
-def _remember_ahead_pooled(spans: dict[str, timedelta], delay: timedelta) -> dict[str, DelayMemory] | None:
-    """The same from a handler thread of the process's pool (``delaywriter``)."""
-    return delaywriter.remember(spans, delay, CallQueue.objects.db, own=False)
-
-
-_AHEAD = functools.partial(delaywriter.remember_ahead, write=_remember_ahead)
-_AHEAD_POOLED = functools.partial(delaywriter.remember_ahead, write=_remember_ahead_pooled)
+def _remember_ahead(noted: arrivals.Noted, clock_read: float) -> None:
+    """Hand a late request's delay to the process's delay writer for its window keys as it goes
+    out (``delaywriter.remember_ahead``)."""
+    delaywriter.remember_ahead(noted, clock_read, db=CallQueue.objects.db)
 
 
 def _call_handler(call: Any) -> Outcome:
@@ -484,7 +469,7 @@ def _call_handler_in_pool(run: Run) -> Ran:
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start, _AHEAD_POOLED)
+    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start, _remember_ahead)
     try:
         outcome = _call_handler(run.call)
         return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))

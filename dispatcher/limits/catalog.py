@@ -246,19 +246,19 @@ class Policies:
         if governing and all(isinstance(p, TokenBucket) and p.burst <= 1 for p in governing):
             self.settled[key] = min(p.guard for p in governing)
 
-    def learning_windows(self, keys: Iterable[str]) -> frozenset[str]:
-        """Return those of the guarded keys a sliding window governs under a guard their measured
-        delays raise (learning on: the cap above the configured guard). Such a window counts a
-        start under the delay its key remembers then, so a request later than that is remembered
-        before it goes out (``arrivals.remember_ahead``)."""
+    def learning_windows(self, keys: Iterable[str]) -> dict[str, timedelta]:
+        """Return, for those of the guarded keys a sliding window governs under a guard their
+        measured delays raise (learning on: the cap above the configured guard), their shortest
+        window period. Such a window counts a start under the delay its key remembers then, so a
+        request later than that is remembered as it goes out (``delaywriter.remember_ahead``)."""
         floor, cap = dispatcher_settings.ARRIVAL_GUARD, dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX)
         if cap <= floor:
-            return frozenset()
-        return frozenset(
-            key for key in keys
-            if key in self.guards and key not in self.holds
-            and any(isinstance(p, SlidingWindow) for p in self.for_key(key))
-        )
+            return {}
+        periods = {
+            key: [p.period for p in self.for_key(key) if isinstance(p, SlidingWindow)]
+            for key in keys if key in self.guards and key not in self.holds
+        }
+        return {key: min(found) for key, found in periods.items() if found}
 
     def send_holds(self) -> tuple[dict[str, timedelta], dict[str, timedelta]]:
         """Return, per key whose requests are settled as they go out, how long after its start
