@@ -423,7 +423,7 @@ def begin(
     (for its ``keys`` only, when given); set until when its request is held, and what its
     ``release`` needs: the states its start left its ``buckets`` in, how far a late request had
     moved them on since its start read them (``moved``: its request goes out that much later),
-    ``move_on`` and the start's token; and how to ``remember`` a delay before the request goes
+    ``move_on`` and the start's token; and how to ``remember`` a delay as the request goes
     out, for its window keys (``delaywriter.remember_ahead``)."""
     run = here()
     run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
