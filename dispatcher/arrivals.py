@@ -46,9 +46,8 @@ class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
     database time, what its guard allows a request after the start, its buckets' periods, for a
     held key its hold and how late after the start its buckets let the request arrive (the hold
-    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard (their
-    shortest window period)
-    (``delaywriter.remember_ahead``)."""
+    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard, with
+    their shortest window period (``delaywriter.remember_ahead``)."""
 
     spans: dict[str, timedelta]
     kept: dict[str, DelayMemory]

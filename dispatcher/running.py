@@ -47,8 +47,8 @@ class Run:
     # and how far its buckets were moved on, per key (``arrivals.release``, ``arrivals.answered``).
     held_latest: float | None = None
     held_moved: dict[str, Any] | None = None
-    # For a call with window keys: what its start noted and how to remember a delay before the
-    # request goes out (``arrivals.remember_ahead``).
+    # For a call with window keys: what its start noted and how to remember a delay as the
+    # request goes out (``delaywriter.remember_ahead``).
     ahead: Any = None
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.

@@ -127,21 +127,21 @@ def remember_send_delay(spans: Mapping[str, timedelta], delay: timedelta, using:
     finds them (their place in the table), and a start holding one of them while waiting for the
     other would deadlock with it (the soak test met one a second).
     """
-    return len(_remember_send_delay(spans, delay, using, kept=False))
+    return _remember_send_delay(spans, delay, using, kept=False)[0]
 
 
 def remember_send_delay_kept(spans: Mapping[str, timedelta], delay: timedelta, using: str | None = None) -> dict[str, DelayMemory]:
     """Keep a start-to-send delay as ``remember_send_delay`` does; return each key's memory as it
     then stands, written or not (a worker's later calls then skip what it already covers)."""
-    return _remember_send_delay(spans, delay, using, kept=True)
+    return _remember_send_delay(spans, delay, using, kept=True)[1]
 
 
 def _remember_send_delay(
     spans: Mapping[str, timedelta], delay: timedelta, using: str | None, *, kept: bool
-) -> dict[str, DelayMemory]:
-    """Return the memories written (``kept``: every key's, written or not)."""
+) -> tuple[int, dict[str, DelayMemory]]:
+    """Return how many rows it wrote and (``kept``) every key's memory as it then stands."""
     if not spans:
-        return {}
+        return 0, {}
     db = alias(using)
     if schema.postgresql_path(db):
         us = delay // timedelta(microseconds=1)
@@ -153,27 +153,29 @@ def _remember_send_delay(
                 params: dict[str, Any] = {"keys": list(spans), "spans": list(spans.values()), "us": us}
                 cursor.execute(limit_sql.remember_send_delay(kept), params)
                 if not kept:
-                    return dict.fromkeys(list(spans)[: cursor.rowcount], DelayMemory())
-                return {
+                    return cursor.rowcount, {}
+                rows = cursor.fetchall()
+                return len(rows), {
                     key: DelayMemory(timedelta(microseconds=current), timedelta(microseconds=previous), since)
-                    for key, current, previous, since in cursor.fetchall()
+                    for key, current, previous, since in rows
                 }
-    memories: dict[str, DelayMemory] = {}
+    written, memories = 0, {}
     states = tables.KeyState.objects.using(db)
     with transaction.atomic(using=db):
         now = db_now(db)
         for state in states.select_for_update().filter(key__in=list(spans)).order_by("key"):
             memory = remember_delay(delay_memory(state), now, spans[state.key], delay)
             if memory is not None:
-                states.filter(key=state.key).update(
+                written += states.filter(key=state.key).update(
                     send_delay_us=memory.current // timedelta(microseconds=1),
                     send_delay_prev_us=memory.previous // timedelta(microseconds=1),
                     send_delay_since=memory.since,
                 )
-                memories[state.key] = memory
+                if kept:
+                    memories[state.key] = memory
             elif kept:
                 memories[state.key] = delay_memory(state)
-    return memories
+    return written, memories
 
 
 def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:
