@@ -128,9 +128,6 @@ def test_a_new_keys_backlog_behind_a_slow_api_runs_more_calls_at_once_than_the_c
     assert wait_until(lambda: CallQueue.objects.filter(status="done").count() == calls, timeout=90), procs.logs()
     wait_until(lambda: sum(_calls_per_message(procs)) >= calls, timeout=15)
     sizes = _calls_per_message(procs)
-    times = [a.at for a in fake_api.arrivals]
-    print(f"{calls} calls in {max(times) - min(times) + 1.0:.1f} s from the first arrival to the last answer,"
-          f" at most {fake_api.max_serving} at once; calls per message {sorted(sizes, reverse=True)}")
     assert sum(sizes) == calls and max(sizes) > 1, sizes
     assert fake_api.max_serving > 2, f"{fake_api.max_serving} requests at once"
     assert max_in_window([a.at for a in fake_api.arrivals], 2.0) <= 20
