@@ -7,7 +7,6 @@ import select
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
@@ -152,7 +151,7 @@ class Dispenser:
         report.per_message = self.per_message(len(calls))
         alone = self.unanswered_key_sets(calls) if report.per_message > 1 else set()
         try:
-            publish_run_calls(calls, report.per_message, alone=alone, first=self._worker_slots() or UNKNOWN_SLOTS)
+            publish_run_calls(calls, report.per_message, alone=alone)
             published = len(calls)
         except Exception as exc:  # the broker is down or refused: fail closed
             log.error("publish_failed error=%r published=%s put_back=%s", exc, published, len(calls) - published)
@@ -177,14 +176,10 @@ class Dispenser:
         return calls_per_message(backlog, slots, most)
 
     def unanswered_key_sets(self, calls: list[Claimed]) -> set[str]:
-        """The key sets of these calls with a key no call has finished under yet: their first
-        calls go one per message, one for each of the workers' slots, ahead of the rest. A group
-        starts its calls at once, before the API's first answer could teach its limit
-        (learning.py); the lone calls take the slots, so the first answers arrive while the
-        groups wait for a slot to free. The rest share messages: when every call of such a pass
-        went alone, a window's room, held by the calls dispatched and not started, freed one
-        call at a time, and the messages stayed single for the whole backlog (a `-c 2` prefork
-        worker behind a 1 s API ran 2 calls at once where its messages' threads could run 16)."""
+        """The key sets of these calls with a key no call has finished under yet: their calls go
+        one per message. A group starts all its calls at once, before the API's first answer
+        could teach its limit (learning.py); one call per message lets the first answers arrive
+        while the others wait their turn, as the workers' slots take them."""
         key_sets = {call.key_set for call in calls}
         keys = {key for key_set in key_sets for key in parse_key_set(key_set)}
         try:
@@ -299,17 +294,14 @@ class Waiter:
 
 
 def plan_messages(
-    calls: list[Claimed], per_message: int, alone: Collection[str] = (), first: int | None = None
+    calls: list[Claimed], per_message: int, alone: Collection[str] = ()
 ) -> list[tuple[str, str, tuple[Any, ...]]]:
     """Return the messages (queue, task, args) that carry these calls: up to ``per_message`` calls
-    of one queue each, in their order, and the first ``first`` calls of each key set in ``alone``
-    one each (all of them if None), ahead of the rest."""
+    of one queue each, in their order, and the calls of the key sets in ``alone`` one each."""
     by_queue: dict[str, list[Claimed]] = {}
     messages: list[tuple[str, str, tuple[Any, ...]]] = []
-    sent_alone: Counter[str] = Counter()
     for call in calls:
-        if per_message > 1 and call.key_set in alone and (first is None or sent_alone[call.key_set] < first):
-            sent_alone[call.key_set] += 1
+        if per_message > 1 and call.key_set in alone:
             messages.append((call.queue, RUN_CALL, (call.id, call.dispatch_no)))
         else:
             by_queue.setdefault(call.queue, []).append(call)
@@ -323,16 +315,13 @@ def plan_messages(
     return messages
 
 
-def publish_run_calls(
-    calls: list[Claimed], per_message: int | None = None, alone: Collection[str] = (), first: int | None = None
-) -> None:
+def publish_run_calls(calls: list[Claimed], per_message: int | None = None, alone: Collection[str] = ()) -> None:
     """Publish the claimed calls, as ``apply_async`` would, in one write.
 
     Each message carries one call (``dispatcher.run_call``) or up to ``per_message`` calls of
     one queue (``dispatcher.run_calls``, started together and run at once by one worker slot;
     ``Dispenser.per_message`` chooses it per pass, at most ``DISPATCHER_CALLS_PER_MESSAGE``,
-    the default here); the first ``first`` calls of each key set in ``alone`` go one per message
-    (``plan_messages``). The Celery
+    the default here); the calls of the key sets in ``alone`` go one per message. The Celery
     message is built once per task and copied per message (``apply_async`` rebuilds it and
     re-reads the app's configuration every time); one producer and broker connection serve
     the batch, and ``producer.batch()`` pipelines the writes on Redis. Either the whole batch
@@ -342,7 +331,7 @@ def publish_run_calls(
     """
     if not calls:
         return
-    messages = plan_messages(calls, max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE), alone, first)
+    messages = plan_messages(calls, max(1, per_message or dispatcher_settings.CALLS_PER_MESSAGE), alone)
     # The tasks are named, not imported: dispatcher.tasks imports this module.
     app = current_app
     amqp = app.amqp

@@ -44,7 +44,7 @@ def published(monkeypatch):
     """What the dispenser publishes, with the calls per message it chose, instead of a broker write."""
     sent: list = []
     monkeypatch.setattr(
-        dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(), first=None: sent.append((len(calls), per_message, len(alone)))
+        dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(): sent.append((len(calls), per_message, len(alone)))
     )
     return sent
 
@@ -152,18 +152,6 @@ def test_the_calls_of_key_sets_sent_alone_go_one_per_message_and_the_rest_share(
     assert sum(sizes) == len(calls)
     carried = [c for _, task, args in messages for c in ([list(args)] if task == RUN_CALL else args[0])]
     assert sorted(c[0] for c in carried) == sorted(c.id for c in calls)
-
-
-def test_only_the_first_calls_of_a_key_set_sent_alone_go_one_per_message_one_per_slot():
-    """The lone calls take the workers' slots, so the first answers come before a group of the
-    key's calls starts; the rest share messages with the others of their queue."""
-    calls = _claimed('["fresh"]', 3) + _claimed('["heard"]', 5)
-    messages = plan_messages(calls, 4, alone={'["fresh"]'}, first=1)
-    sizes = [1 if task == RUN_CALL else len(args[0]) for _, task, args in messages]
-    assert sizes == [1, 4, 3]
-    carried = [c for _, task, args in messages for c in ([list(args)] if task == RUN_CALL else args[0])]
-    assert sorted(c[0] for c in carried) == sorted(c.id for c in calls)
-    assert messages[0][2] == (calls[0].id, 1)  # the key set's first call, alone and ahead
 
 
 @pytest.mark.django_db(transaction=True)

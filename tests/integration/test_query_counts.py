@@ -61,7 +61,7 @@ ANSWERED_QUERIES = 1
 def published(monkeypatch):
     """Record what the dispenser publishes instead of writing to a broker."""
     sent: list = []
-    monkeypatch.setattr(dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(), first=None: sent.extend(calls))
+    monkeypatch.setattr(dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(): sent.extend(calls))
     return sent
 
 
