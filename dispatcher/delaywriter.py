@@ -61,21 +61,21 @@ def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> None:
             return
         delay = elapsed + MOVE_PAD + min(elapsed * HEADROOM_SHARE, HEADROOM_MAX)
         spans = {key: noted.spans[key] for key in _changes(noted, elapsed, delay)}
-        written = _executor().submit(_write, spans, elapsed, delay, noted.now + elapsed, time.monotonic(), db)
+        written = _executor().submit(_write, spans, elapsed, delay, noted.now + elapsed, time.monotonic(), db, noted.kept)
         if min(noted.windows[key] for key in spans) - elapsed >= WAIT_WITHIN:
             return
-        kept = _wait(written)
-        if kept is None:
-            return
-        noted.kept.update(kept)  # a request later than what was written writes again
+        if not _wait(written):
+            return  # else a request later than what was written writes again
 
 
-def _wait(written: Future[dict[str, DelayMemory]]) -> dict[str, DelayMemory] | None:
+def _wait(written: Future[dict[str, DelayMemory]]) -> bool:
+    """Wait for a write; return whether it was made."""
     try:
-        return written.result(WAIT)
+        written.result(WAIT)
     except (DatabaseError, FutureTimeout) as exc:
         log.warning("send_delay_not_kept_ahead error=%r", exc)
-        return None
+        return False
+    return True
 
 
 def _changes(noted: Noted, elapsed: timedelta, delay: timedelta | None = None) -> dict[str, DelayMemory]:
@@ -130,11 +130,13 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def _write(
-    spans: dict[str, timedelta], measured: timedelta, delay: timedelta, now: datetime, handed: float, db: str
+    spans: dict[str, timedelta], measured: timedelta, delay: timedelta, now: datetime, handed: float, db: str,
+    read: dict[str, DelayMemory],
 ) -> dict[str, DelayMemory]:
     """On the writer: keep ``delay`` (``measured`` and its pad) for the keys whose memory, as this
     process last found it, does not cover what was measured by now; return their memories as the
-    database then keeps them."""
+    database then keeps them, and put them in what the request's start ``read`` (the later calls
+    of that start, and the request's answer, then write only what they do not cover)."""
     now += timedelta(seconds=time.monotonic() - handed)
     with _known_lock:
         spans = {
@@ -154,6 +156,7 @@ def _write(
             _known.clear()
         for key, memory in kept.items():
             _known[key] = _later(memory, _known.get(key))
+    read.update(kept)
     log.info("send_delay_ahead keys=%s delay_ms=%.1f", ",".join(spans)[:200], delay.total_seconds() * 1000)
     return kept
 
