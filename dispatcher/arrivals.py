@@ -32,6 +32,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterator
+from concurrent import futures
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -46,8 +48,10 @@ class Noted(NamedTuple):
     """What a start noted for each key: its memory span, what its memory held, the start's
     database time, what its guard allows a request after the start, its buckets' periods, for a
     held key its hold and how late after the start its buckets let the request arrive (the hold
-    and the whole guard: ``reach``), and the keys whose windows count under a learnt guard, with
-    their shortest window period (``delaywriter.remember_ahead``)."""
+    and the whole guard: ``reach``), the keys whose windows count under a learnt guard, with
+    their shortest window period (``delaywriter.remember_ahead``), and how far its late requests
+    moved its keys' unheld buckets on as they went out (``delaywriter.move_ahead``: the start's
+    own, shared by its calls; None: not moved as they go out, only after their answers)."""
 
     spans: dict[str, timedelta]
     kept: dict[str, DelayMemory]
@@ -57,6 +61,17 @@ class Noted(NamedTuple):
     holds: dict[str, timedelta]
     reach: dict[str, timedelta] | None = None
     windows: dict[str, timedelta] = {}  # noqa: RUF012 - never changed: a NamedTuple's default
+    pushed: dict[str, timedelta] | None = None
+
+    def unheld_buckets(self) -> dict[str, list[timedelta]]:
+        """Return the bucket periods of the keys whose requests are not held: a late request moves
+        them on by its lateness itself (``overdue``)."""
+        return {key: periods for key, periods in self.buckets.items() if periods and key not in self.holds}
+
+    def tells_ahead(self) -> bool:
+        """Whether a late request tells its keys as it goes out (``delaywriter``): a window that
+        counts under a learnt guard, or a bucket not held, moved on by the request's lateness."""
+        return bool(self.windows) or (self.pushed is not None and bool(self.unheld_buckets()))
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
@@ -67,7 +82,7 @@ class Noted(NamedTuple):
             # What its memories hold is shared: a late call that writes one (``delaywriter``) tells
             # the later calls of the same start what the database now keeps.
             mine(self.spans), self.kept, self.now, mine(self.allowed), mine(self.buckets), mine(self.holds),
-            mine(self.reach or {}), mine(self.windows),
+            mine(self.reach or {}), mine(self.windows), self.pushed,
         )
 
 
@@ -77,9 +92,10 @@ Buckets = dict[str, list[tuple[timedelta, int]]]
 # deadline on the database's clock or None, the pad; how far past their states they stand, or
 # None): the worker gives it, as this module loads with the package, before any model may be defined.
 MoveOn = Callable[[Buckets, int, "datetime | None", timedelta], "timedelta | None"]
-# Keeps a late request's delay for its window keys as it goes out (what its start noted, its
-# clock reading: ``delaywriter.remember_ahead``).
-Remember = Callable[[Noted, float], None]
+# Tells a late request's keys as it goes out (what its start noted, its clock reading): its
+# window keys keep its delay, its unheld buckets move on (``delaywriter.remember_ahead``); returns
+# the bucket move handed over, if any, which the request's answer waits for (``sent_after``).
+Remember = Callable[[Noted, float], "Future[Any] | None"]
 
 
 class Held(NamedTuple):
@@ -113,6 +129,8 @@ SPIN = 0.002
 # again, at most MOVES times in all (then it is not sent).
 MOVE_PAD = timedelta(milliseconds=2)
 MOVES = 3
+# How long a request's answer waits, at most, for the bucket move its request handed over.
+PUSH_WAIT = 1.0
 
 # Handlers that mark their send themselves (``mark_sent``): held there, not when invoked.
 _marks_sent: set[Callable[..., Any]] = set()
@@ -234,12 +252,13 @@ def overdue(noted: Noted | None, sent: Sent) -> dict[str, tuple[list[timedelta],
     allowed for the request went out (a bucket's state is charged at the start, with the guard
     known then: a later send must move it on by the difference). A held key's buckets were
     settled when its request was released (``release``): only a send marked later than that
-    allowed counts (``Sent.beyond``)."""
+    allowed counts (``Sent.beyond``). Any other, less how far the start's late requests moved
+    them on already as they went out (``Noted.pushed``)."""
     if noted is None:
         return {}
-    allowed = noted.allowed
+    allowed, pushed = noted.allowed, noted.pushed or {}
     late = {
-        key: sent.beyond if key in noted.holds else sent.delay - allowed.get(key, timedelta(0))
+        key: sent.beyond if key in noted.holds else sent.delay - allowed.get(key, timedelta(0)) - pushed.get(key, timedelta(0))
         for key, periods in noted.buckets.items() if periods
     }
     return {key: (noted.buckets[key], by) for key, by in late.items() if by > timedelta(0)}
@@ -288,7 +307,7 @@ def _remember_ahead(run: Any) -> None:
     their start's reading does not cover it (``delaywriter.remember_ahead``)."""
     if run.ahead is not None:
         noted, remember = run.ahead
-        remember(noted, run.clock_read)
+        run.pushing = remember(noted, run.clock_read) or run.pushing
 
 
 def release(held: Held) -> dict[str, timedelta]:
@@ -425,10 +444,13 @@ def begin(
     ``move_on`` and the start's token; and how to ``remember`` a delay as the request goes
     out, for its window keys (``delaywriter.remember_ahead``)."""
     run = here()
-    run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
+    _forget_send(run)
     # A group's start noted all its calls' keys: this call's only.
     noted = run.noted if keys is None or run.noted is None else run.noted.of(keys)
-    run.ahead = (noted, remember) if noted is not None and noted.windows and remember and run.clock_read is not None else None
+    run.ahead = (
+        (noted, remember) if noted is not None and noted.tells_ahead() and remember and run.clock_read is not None
+        else None
+    )
     if noted is not None and noted.holds and move_on is not None:
         # The start's clock on this process's clock (at the latest just after the start read it):
         # the request then leaves no sooner than the start's clock plus the hold, on the
@@ -448,6 +470,13 @@ def begin(
     return run.clock_read, noted
 
 
+def _forget_send(run: Any) -> None:
+    """Clear what this thread knew of its last call's send: a handler this thread runs outside a
+    worker's run next (a plain task calling ``http``) then holds, moves and tells nothing."""
+    run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
+    run.ahead = run.pushing = None
+
+
 def mark_invoked(fn: Callable[..., Any] | None = None) -> None:
     """Note that the handler ``fn`` is being invoked (what counts as the send if it marks none);
     hold it first unless it marks its send itself."""
@@ -462,8 +491,12 @@ def sent_after(clock_read: float | None) -> Sent | None:
     run = here()
     sent = run.sent if run.sent is not None else run.invoked
     natural = run.natural if run.natural is not None else sent
-    latest, run.held_latest = run.held_latest, None
-    run.sent = run.invoked = run.natural = None
+    latest = run.held_latest
+    if run.pushing is not None:
+        # The bucket move its request handed over as it went out: made (what ``overdue`` then
+        # leaves out) or given back, before the answer's own move is judged.
+        futures.wait([run.pushing], PUSH_WAIT)
+    _forget_send(run)
     if clock_read is None or sent is None or natural is None:
         return None
     beyond = timedelta(seconds=max(sent - latest, 0.0)) if latest is not None else timedelta(0)

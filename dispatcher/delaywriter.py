@@ -1,5 +1,6 @@
 """A late request's start-to-send delay, kept for its window keys as it goes out
-(``remember_ahead``), by one writer thread per worker process.
+(``remember_ahead``), and its lateness, moving its unheld buckets on (``move_ahead``), by one
+writer thread per worker process.
 
 A window counts each start under the guard its key's remembered delays call for then, so a
 request that goes out later than its key remembers is counted by the starts after it only once
@@ -51,21 +52,69 @@ HEADROOM_SHARE = 0.1
 HEADROOM_MAX = timedelta(milliseconds=5)
 
 
-def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> None:
+def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] | None:
     """Hand the running request's delay (from its start's ``clock_read``) to the writer for its
     window keys, where what their start ``noted`` (or this process's last write) does not cover
-    it; wait for the write only if their shortest window leaves less than ``WAIT_WITHIN``."""
+    it; wait for the write only if their shortest window leaves less than ``WAIT_WITHIN``.
+    Hand it its lateness for its unheld buckets too (``move_ahead``); return that move, if any."""
+    moved = move_ahead(noted, clock_read, db=db)
     for _ in range(MOVES):
         elapsed = timedelta(seconds=time.monotonic() - clock_read)
         if not _changes(noted, elapsed):
-            return
+            return moved
         delay = elapsed + MOVE_PAD + min(elapsed * HEADROOM_SHARE, HEADROOM_MAX)
         spans = {key: noted.spans[key] for key in _changes(noted, elapsed, delay)}
         written = _executor().submit(_write, spans, elapsed, delay, noted.now + elapsed, time.monotonic(), db, noted.kept)
         if min(noted.windows[key] for key in spans) - elapsed >= WAIT_WITHIN:
-            return
+            return moved
         if not _wait(written):
-            return  # else a request later than what was written writes again
+            return moved  # else a request later than what was written writes again
+    return moved
+
+
+def move_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] | None:
+    """Hand the writer the running request's lateness for its keys' unheld buckets: how much
+    later than their start allowed it goes out, a pad for the rest of its way, less what the
+    start's late requests moved them on already (``Noted.pushed``, which takes it at once).
+
+    Such a bucket's state is charged at the start, under the guard its key's delays called for
+    then; a request sent later arrives later, and the API's bucket has that much less left for
+    the starts after it (a bucket full meanwhile refills no further). Its tokens held back cover
+    a lateness up to its guard; the buckets moved on only after the answer, a start judged
+    before a slow answer went out on them as they were (``tests/integration/
+    test_bucket_late_send.py``: the third of a burst refused at the API). Moved on as it goes out,
+    the starts judged after the move leave it that much room; the request does not wait for the
+    move (one judged between its start and the move was judged on the bucket as it was, whether
+    the move is waited for or not). The calls of one start move their buckets on by the latest
+    of them, not each by its own (the tokens of one start are charged at one moment)."""
+    if noted.pushed is None:
+        return None
+    late = timedelta(seconds=time.monotonic() - clock_read) + MOVE_PAD
+    with _known_lock:
+        moves = {}
+        for key, periods in noted.unheld_buckets().items():
+            by = late - noted.allowed.get(key, timedelta(0)) - noted.pushed.get(key, timedelta(0))
+            if by > timedelta(0):
+                moves[key] = (periods, by)
+                noted.pushed[key] = noted.pushed.get(key, timedelta(0)) + by
+    if not moves:
+        return None
+    return _executor().submit(_move, moves, noted.pushed, db)
+
+
+def _move(moves: dict[str, tuple[list[timedelta], timedelta]], pushed: dict[str, timedelta], db: str) -> None:
+    """On the writer: move the buckets on; if that fails, give the moves back to the start's
+    ``pushed`` (the request's answer then moves them on: ``arrivals.overdue``)."""
+    try:
+        ledger.push_buckets(moves, using=db)
+    except DatabaseError as exc:
+        log.warning("send_late_not_moved_ahead keys=%s error=%r", ",".join(moves)[:200], exc)
+        connections[db].close()  # the next write opens a new one
+        with _known_lock:
+            for key, (_, by) in moves.items():
+                pushed[key] -= by
+        raise
+    log.info("send_late_ahead buckets=%s", {key: str(by) for key, (_, by) in moves.items()})
 
 
 def _wait(written: Future[dict[str, DelayMemory]]) -> bool:

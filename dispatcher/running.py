@@ -47,9 +47,11 @@ class Run:
     # and how far its buckets were moved on, per key (``arrivals.release``, ``arrivals.answered``).
     held_latest: float | None = None
     held_moved: dict[str, Any] | None = None
-    # For a call with window keys: what its start noted and how to remember a delay as the
-    # request goes out (``delaywriter.remember_ahead``).
+    # For a call with window keys or unheld buckets: what its start noted and how to tell them
+    # a late request as it goes out (``delaywriter.remember_ahead``), and the bucket move it
+    # handed over, which its answer waits for.
     ahead: Any = None
+    pushing: Any = None
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None

@@ -345,7 +345,7 @@ def assess(
         arrivals.note_start(arrivals.Noted(
             spans, {k: delay_memory(states.get(k)) for k in spans}, now, dict(policies.learnt_delays),
             {k: [p.period for p in policies.for_key(k) if isinstance(p, TokenBucket)] for k in spans},
-            holds, reach, policies.learning_windows(spans),
+            holds, reach, policies.learning_windows(spans), {},
         ))
     costs = costs or {}
     verdicts = {
