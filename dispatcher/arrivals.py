@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 
 from django.db import DatabaseError
 
+from dispatcher.clock import Offsets
 from dispatcher.limits.guard import GUARD_MAX, DelayMemory, remember_delay
 from dispatcher.running import carry, here
 
@@ -182,7 +183,7 @@ def judged_earlier(by: timedelta) -> None:
 def note_start(noted: Noted) -> None:
     """Remember, for the start being judged, how long each key keeps its measured delays and what
     it kept (so a worker writes only a delay that changes it), and the rest of ``Noted``; and
-    the start's clock reading, for this process's reading of the database clock (``Offsets``):
+    the start's clock reading, for this process's reading of the database clock (``clock.Offsets``):
     the reading as it was made, not the earlier clock a start woken late for its slot is judged
     at (that reading's lower bound would lie above the true one, its spread hide a lateness, and
     the next reading find it contradicted and drop what the process had read)."""
@@ -190,54 +191,6 @@ def note_start(noted: Noted) -> None:
     run.noted = noted
     after = run.clock_after + run.judged_by if run.clock_after is not None else None
     _offsets.note(run.clock_read, after, noted.now + timedelta(seconds=run.judged_by))
-
-
-# How long this process keeps what its starts read of the database clock (``Offsets``): short
-# enough that two clocks drifting apart (ppm) move it by microseconds.
-OFFSET_WINDOW = 10.0
-
-
-class Offsets:
-    """Where the database's clock stands on this process's monotonic clock, read from its starts.
-
-    A start's reading of the database clock happened between this process's monotonic time just
-    before its query and just after it: the offset (monotonic less database time) lies between
-    those two less the database's time. Just after bounds it from above, late by however long
-    the answer took to come back and the thread to run again (a descheduled thread: several ms).
-    The least upper bound of the recent starts is the closest one that is still safe: a request
-    held to its moment on it leaves no sooner than its moment; it may leave later by as much as
-    that bound lies above the greatest lower bound (the spread: tens of µs once a process has
-    read the clock a few times, a whole round trip at its first start). A reading whose bounds
-    contradict those kept (a clock stepped, either way) drops them.
-    """
-
-    def __init__(self) -> None:
-        self._kept: deque[tuple[float, float, float]] = deque(maxlen=64)
-        self._lock = threading.Lock()
-
-    def note(self, before: float | None, after: float | None, clock: datetime) -> None:
-        if before is None or after is None:
-            return
-        epoch = clock.timestamp()
-        upper, lower = after - epoch, before - epoch
-        with self._lock:
-            if self._kept and (
-                lower > min(kept for _, kept, _ in self._kept) or upper < max(kept for _, _, kept in self._kept)
-            ):
-                self._kept.clear()  # the readings contradict each other: a clock stepped
-            self._kept.append((after, upper, lower))
-
-    def at(self, clock: datetime, fallback: float) -> tuple[float, float]:
-        """Return the database time ``clock`` on this process's monotonic clock, at the latest,
-        and how much earlier it may be (``fallback`` and 0: nothing read lately)."""
-        with self._lock:
-            while self._kept and self._kept[0][0] < time.monotonic() - OFFSET_WINDOW:
-                self._kept.popleft()
-            if not self._kept:
-                return fallback, 0.0
-            least = min(upper for _, upper, _ in self._kept)
-            greatest = max(lower for _, _, lower in self._kept)
-        return clock.timestamp() + least, max(least - greatest, 0.0)
 
 
 _offsets = Offsets()
@@ -303,8 +256,9 @@ def _hold_to_moment(run: Any) -> None:
 
 
 def _remember_ahead(run: Any) -> None:
-    """Have the running request's window keys remember its delay as it goes out, where
-    their start's reading does not cover it (``delaywriter.remember_ahead``)."""
+    """Have the running request's window keys remember its delay as it goes out, where their
+    start's reading does not cover it, and its unheld buckets move on by its lateness
+    (``delaywriter.remember_ahead``)."""
     if run.ahead is not None:
         noted, remember = run.ahead
         run.pushing = remember(noted, run.clock_read) or run.pushing

@@ -15,7 +15,7 @@ from django.db import connections
 
 from dispatcher import arrivals
 from dispatcher.calls import start as start_module
-from dispatcher.clock import db_now, from_us, to_us
+from dispatcher.clock import Offsets, db_now, from_us, to_us
 from dispatcher.limits import edit, ledger
 from dispatcher.limits.catalog import Policies
 from dispatcher.limits.guard import SEND_SLACK
@@ -421,7 +421,7 @@ def test_a_process_reads_the_database_clock_from_its_best_recent_start():
     """Each start bounds where the database's clock stands on the process's own clock: between
     just before and just after its query. A thread that runs again late after its query (a late
     upper bound) is held on the best bound of the recent starts, not on its own."""
-    offsets = arrivals.Offsets()
+    offsets = Offsets()
     base = time.monotonic()
     clock = datetime(2026, 1, 1, 12, 0).astimezone()
     # The database's clock read at `clock`, the process's at base (+ its offset, 0 here).
@@ -444,7 +444,7 @@ def test_a_process_reads_the_database_clock_from_its_best_recent_start():
     at, spread = offsets.at(stepped, fallback=0.0)
     assert abs(at - (base + 1.2005)) < 1e-6 and abs(spread - 0.0005) < 1e-6
     assert offsets.at(stepped, fallback=7.0) != (7.0, 0.0)
-    assert arrivals.Offsets().at(stepped, fallback=7.0) == (7.0, 0.0)
+    assert Offsets().at(stepped, fallback=7.0) == (7.0, 0.0)
 
 
 def test_the_requests_of_one_start_each_move_its_buckets_as_far_as_they_need_and_no_later_start_is_overtaken():
