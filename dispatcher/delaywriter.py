@@ -1,6 +1,7 @@
 """A late request's start-to-send delay, kept for its window keys as it goes out
 (``remember_ahead``), and its lateness, moving its unheld buckets on (``move_ahead``), by one
-writer thread per worker process.
+writer thread per worker process; and a held request's move made inside its handler's own
+transaction (``move_on``).
 
 A window counts each start under the guard its key's remembered delays call for then, so a
 request that goes out later than its key remembers is counted by the starts after it only once
@@ -33,7 +34,7 @@ from datetime import datetime, timedelta
 
 from django.db import DatabaseError, connections
 
-from dispatcher.arrivals import MOVE_PAD, MOVES, Noted
+from dispatcher.arrivals import MOVE_PAD, MOVES, Buckets, Noted
 from dispatcher.limits import ledger
 from dispatcher.limits.guard import DelayMemory, remember_delay
 
@@ -208,6 +209,25 @@ def _write(
     read.update(kept)
     log.info("send_delay_ahead keys=%s delay_ms=%.1f", ",".join(spans)[:200], delay.total_seconds() * 1000)
     return kept
+
+
+def move_on(moved: Buckets, start: int, deadline: datetime | None, pad: timedelta, *, db: str) -> timedelta | None:
+    """Move a held request's buckets on (``ledger.move_on``) on the writer's connection, for a
+    handler that sends inside a transaction of its own (its connection's move would be seen
+    only once it commits, and the request would not go); wait for it, at most ``WAIT``."""
+    moving = _executor().submit(_move_on, moved, start, deadline, pad, db)
+    try:
+        return moving.result(WAIT)
+    except FutureTimeout:
+        raise DatabaseError(f"the delay writer did not move the buckets on within {WAIT} s") from None
+
+
+def _move_on(moved: Buckets, start: int, deadline: datetime | None, pad: timedelta, db: str) -> timedelta | None:
+    try:
+        return ledger.move_on(moved, start, deadline, pad, using=db)
+    except DatabaseError:
+        connections[db].close()  # the next write opens a new one
+        raise
 
 
 def close() -> None:

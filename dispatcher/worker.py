@@ -14,6 +14,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 from celery.signals import worker_process_init
@@ -143,7 +144,8 @@ def execute(call_id: int, dispatch_no: int) -> str:
     # written) were ~5% of a `-P threads` worker's CPU. Skips, failures and retries stay INFO.
     log.debug("run_started call=%s method=%s attempt=%s", call.id, call.method, attempt.number)
     take_reported()  # a cost reported by an earlier call of this thread is not this call's
-    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, _move_on, started.start, _teller())
+    move_on, tell = _tellers()
+    clock_read, noted = arrivals.begin(call.keys, started.buckets, started.moved, move_on, started.start, tell)
     try:
         return _run(call, attempt, started.capped)
     finally:
@@ -245,19 +247,25 @@ def _move_on(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad
         _set_checked(False)
 
 
-def _remember_ahead(noted: arrivals.Noted, clock_read: float) -> Future[None] | None:
-    """Hand a late request's delay to the process's delay writer for its window keys, and its
-    lateness for its unheld buckets, as it goes out (``delaywriter.remember_ahead``)."""
-    return delaywriter.remember_ahead(noted, clock_read, db=CallQueue.objects.db)
+def _move_on_aside(moved: arrivals.Buckets, start: int, deadline: datetime | None, pad: timedelta) -> timedelta | None:
+    """``_move_on``, or inside the handler's own transaction (where the move would be seen only
+    once the handler commits), on the process's delay writer's connection, waiting for it."""
+    if connections[CallQueue.objects.db].in_atomic_block:
+        return delaywriter.move_on(moved, start, deadline, pad, db=CallQueue.objects.db)
+    return _move_on(moved, start, deadline, pad)
 
 
-def _teller() -> arrivals.Remember | None:
-    """How the request of a call just started tells its keys as it goes out (``_remember_ahead``),
-    unless its start is not committed yet: started inside a caller's transaction, the writer's
-    connection would wait for the start's locks until that commits (and the request's answer
-    for the writer). Its keys then learn its delay and lateness after its answer, on its own
-    connection."""
-    return None if connections[CallQueue.objects.db].in_atomic_block else _remember_ahead
+def _tellers() -> tuple[arrivals.MoveOn, arrivals.Remember | None]:
+    """How the request of a call just started moves its held buckets on and tells its keys as it
+    goes out: on the process's delay writer's connection where its own cannot (``_move_on_aside``,
+    ``delaywriter.remember_ahead``), unless its start is not committed yet. Started inside a caller's
+    transaction, the writer's connection would wait for the start's locks until that commits
+    (and the request for the writer); its keys then learn its delay and lateness after its
+    answer, on its own connection, and its held buckets move on there or not at all."""
+    db = CallQueue.objects.db
+    if connections[db].in_atomic_block:
+        return _move_on, None
+    return _move_on_aside, partial(delaywriter.remember_ahead, db=db)
 
 
 def _call_handler(call: Any) -> Outcome:
@@ -331,8 +339,8 @@ class Run:
     buckets: dict[str, list[tuple[timedelta, int]]] | None = None
     moved: timedelta = timedelta(0)
     start: int = 0
-    # How its request tells its keys as it goes out, if it does (``_teller``).
-    tell: arrivals.Remember | None = None
+    # How its request moves its held buckets on and tells its keys as it goes out (``_tellers``).
+    tellers: tuple[arrivals.MoveOn, arrivals.Remember | None] = (_move_on, None)
 
 
 # After a handler of a message returns, how long (seconds) the worker waits for the others
@@ -408,7 +416,7 @@ def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) ->
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
             if one.state == StartState.STARTED:
                 assert one.call is not None and one.attempt is not None
-                runs.append(Run(one.call, one.attempt, one.capped, noted, one.buckets, one.moved, one.start, _teller()))
+                runs.append(Run(one.call, one.attempt, one.capped, noted, one.buckets, one.moved, one.start, _tellers()))
                 log.debug("run_started call=%s method=%s attempt=%s", one.call.id, one.call.method, one.attempt.number)
             elif one.state == StartState.EARLY:
                 early.append(((call_id, dispatch_no), one.wait))
@@ -480,7 +488,8 @@ def _call_handler_in_pool(run: Run) -> Ran:
     ``execute_many`` keeps for the keys' arrival guard, as ``execute`` does for a call alone."""
     take_reported()
     arrivals.restore(run.noted)
-    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, _move_on, run.start, run.tell)
+    move_on, tell = run.tellers
+    clock_read, noted = arrivals.begin(run.call.keys, run.buckets, run.moved, move_on, run.start, tell)
     try:
         outcome = _call_handler(run.call)
         return outcome, take_reported(), (clock_read, noted, arrivals.sent_after(clock_read))

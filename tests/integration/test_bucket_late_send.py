@@ -6,7 +6,7 @@ API). Before, the bucket moved on only once the answer came back."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from unittest import mock
 
 import pytest
@@ -14,7 +14,8 @@ from django.db import connections
 
 from dispatcher.clock import db_now
 from dispatcher.limits import edit, ledger
-from dispatcher.models import CallQueue, KeyBucket, KeyState
+from dispatcher.limits.guard import SEND_SLACK
+from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState
 from dispatcher.worker import execute_many
 from support.fakeapi import Bucket
 from tests.integration.test_shapes import claim_all, run_all
@@ -125,3 +126,26 @@ def test_a_handler_run_outside_a_worker_after_a_late_call_moves_and_writes_nothi
         late_send(delay=0.01)
         delaywriter._executor().submit(lambda: None).result(5)  # what was handed over is done
     assert (pushes.call_count, moves.call_count, kept.call_count) == (0, 0, 0)
+
+
+@pytest.mark.postgres  # SQLite's write lock, which the handler's transaction holds, keeps the move out
+def test_a_held_request_late_inside_the_handlers_own_transaction_moves_its_bucket_on_and_goes():
+    """A held key (its delay measured, its bucket owing), a handler that opens a transaction of
+    its own and sends 150 ms after it is invoked: its request reaches its moment late. Its
+    connection's move would be seen only once the handler commits, so the process's delay
+    writer makes it on its own; the request then goes. Before, it was not sent and waited again."""
+    from tests.integration.test_send_time_pacing import bucket_state, measured, owing
+
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    tat = owing("paced")
+    call = CallQueue.objects.send("marked_clock", {"work": 0.15, "atomic": True}, keys=["paced"])
+    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    call.refresh_from_db()
+    sent = datetime.fromisoformat(call.result["at"])
+    # Charged 206 ms from its moment (the start plus its hold, or the bucket's state), moved on
+    # by at least its lateness past that moment, less the slack its guard allows.
+    judged = datetime.fromisoformat(call.result["judged"])
+    moment = max(tat, judged + 80 * MS)
+    assert bucket_state("paced") - (moment + 206 * MS) >= sent - moment - SEND_SLACK - 10 * MS
+    assert list(Attempt.objects.values_list("outcome", flat=True)) == ["done"]
