@@ -230,6 +230,20 @@ def _move_on(moved: Buckets, start: int, deadline: datetime | None, pad: timedel
         raise
 
 
+def open_connection(db: str, **_: object) -> None:
+    """Have this process's writer open its connection now, not at the first late request (which
+    it would make later still: a new database session's setup in the process as the request
+    goes out, and the process's next requests behind it). Does not wait for it."""
+    _executor().submit(_connect, db)
+
+
+def _connect(db: str) -> None:
+    try:
+        connections[db].ensure_connection()
+    except DatabaseError as exc:
+        log.warning("delay_writer_not_connected error=%r", exc)  # the first write connects again
+
+
 def close() -> None:
     """Close the writer's connections, if this process has one (before a database is dropped)."""
     if _writer is not None and _writer[0] == os.getpid():

@@ -108,7 +108,8 @@ def warm_worker(**_: Any) -> None:
     """At worker_init, before the pool starts: warm this process (a prefork pool's children are
     forked from it with what it built; a pool's threads share it), then close its connection, so
     that no child is forked with it open; and have each prefork child warm its own database
-    session as it starts. A threads pool's threads each open a session of their own, cold.
+    session, and open its delay writer's (``delaywriter``), as it starts. A threads pool's threads
+    each open a session of their own, cold; its writer opens its own at its first late request.
 
     Connected at worker_init, so it runs after the worker_process_init receiver of Celery's Django
     fixup (connected as the worker initialises), which closes a new child's connections.
@@ -116,6 +117,8 @@ def warm_worker(**_: Any) -> None:
     warm_process()
     connections[CallQueue.objects.db].close()
     worker_process_init.connect(warm_process, weak=False, dispatch_uid="dispatcher.worker.warm_process")
+    opening = partial(delaywriter.open_connection, CallQueue.objects.db)
+    worker_process_init.connect(opening, weak=False, dispatch_uid="dispatcher.worker.open_writer")
 
 
 def execute(call_id: int, dispatch_no: int) -> str:

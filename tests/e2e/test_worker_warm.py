@@ -41,3 +41,15 @@ def test_each_prefork_child_has_run_a_start_before_its_first_task(procs):
     sent = [CallQueue.objects.send("noop", {}, keys=["warm"]) for _ in range(4)]
     assert wait_until(lambda: all_finished([c.id for c in sent]), timeout=60), procs.logs()
     assert set(CallQueue.objects.filter(id__in=[c.id for c in sent]).values_list("status", flat=True)) == {"done"}
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_each_prefork_child_opens_its_delay_writers_connection_as_it_starts(procs):
+    """A child's first late request would otherwise open it (a new database session's setup in
+    the child as the request goes out, and its next requests behind it: docs/pools.md)."""
+    dsn = procs.env["DATABASE_URL"]
+    before = len(_sessions(dsn))
+    procs.worker(procs.queue, concurrency=2)
+    # Each child: its slot's session (warmed) and its writer's.
+    assert wait_until(lambda: len(_sessions(dsn)) >= before + 4, timeout=30), (before, _sessions(dsn))
