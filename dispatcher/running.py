@@ -52,6 +52,9 @@ class Run:
     # handed over, which its answer waits for.
     ahead: Any = None
     pushing: Any = None
+    # Whether its start was logged again in its windows as its request went out, later than any
+    # guard (``delaywriter.count_again``).
+    counted_again: bool = False
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None

@@ -178,6 +178,30 @@ def _remember_send_delay(
     return written, memories
 
 
+def count_again(keys: Sequence[str], call_id: int, using: str | None = None) -> dict[str, int]:
+    """Log the call's start again in the window logs of these keys, now, with the units its start
+    logged there: its request went out later than any guard a window counts under, and counts
+    from its send too. Under the key locks, at the database clock and after every start logged
+    (the log's running totals stay in order); with no call of its own (a cost correction finds
+    the call's start alone). Return the units logged per key."""
+    db = alias(using)
+    with transaction.atomic(using=db):
+        states = lock_keys(list(keys), using=db)
+        now = db_now(db)
+        logged = dict(
+            tables.StartLog.objects.using(db).filter(call_id=call_id, key__in=list(keys)).values_list("key", "units")
+        )
+        rows = []
+        for key in sorted(states):
+            units, total = logged.get(key, 1), states[key].total or 0
+            latest = tables.StartLog.objects.using(db).filter(key=key).order_by("-cum").values_list("started_at", flat=True).first()
+            at = max(now, latest) if latest is not None else now
+            rows.append(tables.StartLog(key=key, started_at=at, units=units, cum=total + units, call_id=None))
+            tables.KeyState.objects.using(db).filter(key=key).update(total=total + units)
+        tables.StartLog.objects.using(db).bulk_create(rows)
+    return {row.key: row.units for row in rows}
+
+
 def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:
     """Move the buckets of keys on by how much later than their guard allowed a request went out.
 
