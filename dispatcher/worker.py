@@ -261,10 +261,9 @@ def _move_on_aside(moved: arrivals.Buckets, start: int, deadline: datetime | Non
 def _tellers() -> tuple[arrivals.MoveOn, arrivals.Remember | None]:
     """How the request of a call just started moves its held buckets on and tells its keys as it
     goes out: on the process's delay writer's connection where its own cannot (``_move_on_aside``,
-    ``delaywriter.remember_ahead``), unless its start is not committed yet. Started inside a caller's
-    transaction, the writer's connection would wait for the start's locks until that commits
-    (and the request for the writer); its keys then learn its delay and lateness after its
-    answer, on its own connection, and its held buckets move on there or not at all."""
+    ``delaywriter.remember_ahead``), unless its start is not committed yet (inside a caller's
+    transaction, the writer would wait for the start's locks until that commits): its keys then
+    learn after its answer, on its own connection, and its held buckets move on there or not at all."""
     db = CallQueue.objects.db
     if connections[db].in_atomic_block:
         return _move_on, None

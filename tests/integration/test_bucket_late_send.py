@@ -5,6 +5,7 @@ bucket the token the late request takes there, even while its answer is still on
 API). Before, the bucket moved on only once the answer came back."""
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime, timedelta
 from unittest import mock
@@ -30,6 +31,17 @@ def refused_by(bucket: Bucket, moments: list[float]) -> list[float]:
     return [at for at in sorted(moments) if bucket.admit(at, 1) is not None]
 
 
+def late_on_a_thread(work: float, answer: float) -> tuple[CallQueue, threading.Thread, dict[int, str]]:
+    """A bucket of 5 per 2 s with a burst of 3, and a call on it whose handler works ``work``
+    seconds before it sends and whose answer comes ``answer`` seconds later, claimed and run on a
+    thread of its own; return the call, the thread and where it puts the outcome."""
+    edit.set_policy("bkt", 5, timedelta(seconds=2), burst=3)
+    call = CallQueue.objects.send("marked_clock", {"work": work, "answer": answer}, keys=["bkt"])
+    (claimed,) = claim_all(call.key_set).calls
+    outcomes: dict[int, str] = {}
+    return call, in_thread(call.id, claimed.dispatch_no, outcomes), outcomes
+
+
 @writes_beside_the_test
 def test_a_late_request_behind_a_slow_api_leaves_the_token_it_takes_at_the_api():
     """A bucket of 5 per 2 s with a burst of 3 (one token per 400 ms; the default guard costs it
@@ -38,11 +50,7 @@ def test_a_late_request_behind_a_slow_api_leaves_the_token_it_takes_at_the_api()
     after it must leave at the API the token the late request took there at 500 ms. Before, the
     bucket moved on only with the answer, 2.5 s later: the burst of three found it full and the
     API's third refusal came 100 ms after the late request."""
-    edit.set_policy("bkt", 5, timedelta(seconds=2), burst=3)
-    late = CallQueue.objects.send("marked_clock", {"work": 0.5, "answer": 2.0}, keys=["bkt"])
-    (claimed,) = claim_all(late.key_set).calls
-    outcomes: dict[int, str] = {}
-    thread = in_thread(late.id, claimed.dispatch_no, outcomes)
+    late, thread, outcomes = late_on_a_thread(work=0.5, answer=2.0)
     time.sleep(0.6)  # its request went out, its answer has not come
     after = [CallQueue.objects.send("marked_clock", {}, keys=["bkt"]) for _ in range(3)]
     run_as_they_fit(after, time.monotonic() + 6)
@@ -82,11 +90,7 @@ def test_a_request_no_later_than_its_key_allows_moves_no_bucket():
 def test_a_late_request_moves_its_bucket_on_once_before_its_answer_comes():
     """One token per 420 ms as applied (400 ms and the guard's 20 ms): a request 300 ms late moves
     its bucket on by that and a pad as it goes out, and not again when its answer comes."""
-    edit.set_policy("bkt", 5, timedelta(seconds=2), burst=3)
-    call = CallQueue.objects.send("marked_clock", {"work": 0.3, "answer": 0.8}, keys=["bkt"])
-    (claimed,) = claim_all(call.key_set).calls
-    outcomes: dict[int, str] = {}
-    thread = in_thread(call.id, claimed.dispatch_no, outcomes)
+    call, thread, outcomes = late_on_a_thread(work=0.3, answer=0.8)
     time.sleep(0.55)  # its request went out, its answer has not come
     moved = KeyBucket.objects.get(key="bkt").tat_us - _charged_from([call]) - 420_000
     thread.join(10)
