@@ -342,9 +342,10 @@ def test_a_held_send_marked_later_than_its_release_allowed_moves_its_buckets_aft
     (claimed,) = claim_all(call.key_set).calls
     assert execute(claimed.id, claimed.dispatch_no) == "done"
     call.refresh_from_db()
-    # Charged from its moment (80 ms after the start's clock, a few ms before the recorded start),
-    # then moved on by the 40-odd ms the handler took beyond the slack.
-    assert bucket_state("paced") - max(tat, call.started_at + 80 * MS) >= 206 * MS + 40 * MS - SEND_SLACK - 10 * MS
+    # Charged from its moment (80 ms after the start's clock, a few ms before the recorded start:
+    # 14 ms once on a loaded CI machine), then moved on by the 40-odd ms the handler took beyond
+    # the slack. Not moved, it would stand at most 206 ms past that moment.
+    assert bucket_state("paced") - max(tat, call.started_at + 80 * MS) >= 206 * MS + 40 * MS - SEND_SLACK - 25 * MS
 
 
 # --- what an answer says, and the process's reading of the database clock -------------------------
