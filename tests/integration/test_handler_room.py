@@ -15,8 +15,7 @@ from dispatcher.worker import execute_many
 from tests.integration.test_lifecycle import claim_all
 from tests.testapp.handlers import GATE
 
-# Threads writing at once: PostgreSQL (the in-memory SQLite test database locks its tables).
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = pytest.mark.django_db(transaction=True)
 
 THREADS = handlerpool.MESSAGE_THREADS
 

@@ -63,11 +63,9 @@ def _delays_kept_after_the_answer(monkeypatch):
     """The counts are the queries of the run's own connection. A request that goes out later than
     its key remembers (a new key's first) hands its delay to the process's delay writer, on a
     connection of its own, and its answer writes only what the writer has not written by then: a
-    race whose winner moves the count by DELAY_QUERIES, and, on SQLite's in-memory test database,
-    a write beside the test's that is refused (``database table is locked``; a file database
-    waits). Here the runs keep their delays after the answer, as a start inside a caller's
-    transaction does (``worker._tellers``); the writer's path has its own tests
-    (tests/integration/test_window_late_send.py)."""
+    race whose winner moves the count by DELAY_QUERIES. Here the runs keep their delays after the
+    answer, as a start inside a caller's transaction does (``worker._tellers``); the writer's path
+    has its own tests (tests/integration/test_window_late_send.py)."""
     monkeypatch.setattr(worker, "_tellers", lambda: (worker._move_on, None))
 
 

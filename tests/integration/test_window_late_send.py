@@ -24,12 +24,6 @@ from tests.integration.test_shapes import claim_all, run_all
 MS = timedelta(milliseconds=1)
 SECOND = timedelta(seconds=1)
 pytestmark = pytest.mark.django_db(transaction=True)
-# What rests on the delay writer's write landing while the test's own threads claim and start:
-# SQLite's in-memory test database refuses a second connection's write while another's
-# transaction is open ("table is locked"; a file database, the embedded default, waits for the
-# lock instead), so there the write may fail and the delay be kept after the answer only. Asserted
-# on PostgreSQL (on SQLite it failed one run in five, before and after buckets moved ahead too).
-writes_beside_the_test = pytest.mark.postgres
 
 
 def in_thread(call_id: int, dispatch_no: int, outcomes: dict[int, str]) -> threading.Thread:
@@ -66,7 +60,6 @@ def run_as_they_fit(calls: list[CallQueue], deadline: float) -> None:
     assert not waiting, "calls the window should have let through in time"
 
 
-@writes_beside_the_test
 @pytest.mark.parametrize("work", [0.15, 0.4], ids=["within-the-cap", "past-the-cap"])
 def test_a_late_request_behind_a_slow_api_is_counted_by_the_starts_a_period_later(work):
     """A window of 5 per second. The first call's handler works 150 ms before it sends and its
@@ -165,16 +158,12 @@ def test_a_messages_handler_threads_hand_their_delays_to_one_writer_and_open_no_
         connection_created.disconnect(count)
     assert outcomes == {"done": 3}
     assert all(state.send_delay_us >= 100_000 for state in KeyState.objects.filter(key__startswith="win:"))
-    # SQLite's in-memory test database refuses a second connection's write while another's is
-    # open ("table is locked"): there the delay may be kept after the answer only.
-    if connections["default"].vendor == "postgresql":
-        assert sorted(remembered) == ["win:0", "win:1", "win:2"]
-        assert min(remembered.values()) >= 100_000
-        # The slot's own and the writer's (the three writes share it); no handler thread's.
-        assert sorted(opened) == ["dispatcher-delays_0", "slot"], opened
+    assert sorted(remembered) == ["win:0", "win:1", "win:2"]
+    assert min(remembered.values()) >= 100_000
+    # The slot's own and the writer's (the three writes share it); no handler thread's.
+    assert sorted(opened) == ["dispatcher-delays_0", "slot"], opened
 
 
-@writes_beside_the_test
 def test_the_late_calls_of_one_start_write_their_delay_once_not_each():
     """Six calls of one message on one window key, each sent 100 ms after the start: the writer
     keeps the first one's delay (with headroom) and judges the others again when their turn
