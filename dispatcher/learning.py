@@ -312,7 +312,7 @@ def _infer(keys: tuple[str, ...], started: datetime, wait: float, text: str) -> 
                 since = last.expires_at - ttl
             starts = list(
                 tables.StartLog.objects.filter(key=key, started_at__gte=since, started_at__lt=started, call_id__isnull=False)
-                .order_by("started_at", "cum").values_list("started_at", "call_id")
+                .order_by("started_at", "cum", "id").values_list("started_at", "call_id")
             )
             refused = set(
                 tables.Attempt.objects.filter(

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.db import connections, models, transaction
-from django.db.models import F
+from django.db.models import F, Q
 
 from dispatcher import tables
 from dispatcher.calls.rows import attempts
@@ -222,7 +222,10 @@ def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Map
         for key, delta in deltas.items():
             start = starts.filter(key=key, started_at=call.started_at, call_id=call.id).first()
             if start is not None:
-                starts.filter(key=key, cum__gt=start.cum).exclude(id=start.id).update(cum=F("cum") + delta)
+                # Every start after it in the log's order moves: a start of 0 units (refunded)
+                # right after it shares its running total, and comes after it by id.
+                after = Q(cum__gt=start.cum) | Q(cum=start.cum, id__gt=start.id)
+                starts.filter(after, key=key).update(cum=F("cum") + delta)
                 starts.filter(id=start.id).update(units=F("units") + delta, cum=F("cum") + delta)
             tables.KeyState.objects.using(manager.db).filter(key=key).update(total=F("total") + delta)
             later: list[tuple[datetime, int]] | None = None

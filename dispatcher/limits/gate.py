@@ -214,7 +214,7 @@ def _reading(key: str, policy: PolicyShape, value: int | None, total: int, db: s
 def _unit_leaves_at(db: str, key: str, base: int, n: int) -> datetime | None:
     """Return the start time of the start that holds the n-th unit after ``base``: one index probe."""
     return (
-        tables.StartLog.objects.using(db).filter(key=key, cum__gte=base + n).order_by("cum").values_list("started_at", flat=True).first()
+        tables.StartLog.objects.using(db).filter(key=key, cum__gte=base + n).order_by("cum", "id").values_list("started_at", flat=True).first()
     )
 
 

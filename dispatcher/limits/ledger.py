@@ -194,7 +194,7 @@ def count_again(keys: Sequence[str], call_id: int, using: str | None = None) -> 
         rows = []
         for key in sorted(states):
             units, total = logged.get(key, 1), states[key].total or 0
-            latest = tables.StartLog.objects.using(db).filter(key=key).order_by("-cum").values_list("started_at", flat=True).first()
+            latest = tables.StartLog.objects.using(db).filter(key=key).order_by("-cum", "-id").values_list("started_at", flat=True).first()
             at = max(now, latest) if latest is not None else now
             rows.append(tables.StartLog(key=key, started_at=at, units=units, cum=total + units, call_id=None))
             tables.KeyState.objects.using(db).filter(key=key).update(total=total + units)

@@ -59,7 +59,7 @@ def _window_probe(since: str) -> str:
     key, started_at, cum = column("StartLog", "key"), column("StartLog", "started_at"), column("StartLog", "cum")
     return (
         f"(SELECT {cum} - {column('StartLog', 'units')} FROM {table('StartLog')}"
-        f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum} LIMIT 1)"
+        f" WHERE {key} = %s AND {started_at} >= {since} ORDER BY {started_at}, {cum}, {column('StartLog', 'id')} LIMIT 1)"
     )
 
 
@@ -198,6 +198,6 @@ def window_bases() -> str:
     key, started_at, cum = column("StartLog", "key"), column("StartLog", "started_at"), column("StartLog", "cum")
     return (
         f"SELECT w.n, (SELECT {cum} - {column('StartLog', 'units')} FROM {table('StartLog')}"
-        f" WHERE {key} = w.key AND {started_at} >= w.since ORDER BY {started_at}, {cum} LIMIT 1)"
+        f" WHERE {key} = w.key AND {started_at} >= w.since ORDER BY {started_at}, {cum}, {column('StartLog', 'id')} LIMIT 1)"
         " FROM unnest(%(keys)s::text[], %(since)s::timestamptz[]) WITH ORDINALITY AS w(key, since, n) ORDER BY w.n"
     )

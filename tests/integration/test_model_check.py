@@ -373,3 +373,36 @@ def test_a_refund_gives_back_only_what_the_bucket_still_holds_of_the_start(clock
     while state.messages:
         state.deliver(index=0, duplicate=False)
     check_invariants(state)
+
+
+@pytest.mark.django_db
+def test_a_refund_moves_a_start_of_zero_units_right_after_it_with_the_later_totals(clock) -> None:
+    """Calls 30 and 31 start on 'p:1' at one instant, then both are refunded to 0 units, 31 first.
+    Call 31's row, now of 0 units, shared call 30's running total; the refund of call 30 moved
+    only the totals above its own, so call 31's row kept a total 2 above the starts after it,
+    and the log's order (and a window's count from its first start) no longer matched the
+    starts. Every start after it in the log's order moves now: a larger total, or the same one
+    and a later row."""
+    state = make_machine(clock)()
+    state.some_policies()
+    state.delete_policy(key="p:*")
+    state.send(cost=3, n=3, priority=0, which=2)
+    state.delete_policy(key="p:1")
+    state.rush(cost=2, which=1)
+    state.rush(cost=None, which=1)
+    state.delete_policy(key="p:1")
+    state.finish(index=41, outcome="429-key")
+    state.send(cost=None, n=2, priority=-1, which=3)
+    state.delete_policy(key="p:*")
+    state.delete_policy(key="b")
+    state.send(cost=None, n=4, priority=-1, which=1)
+    state.rush(cost=2, which=0)
+    state.delete_policy(key="p:1")
+    state.delete_policy(key="b")
+    state.rush(cost=2, which=0)
+    state.send(cost=None, n=2, priority=-1, which=3)
+    state.rush(cost=2, which=3)
+    state.finish(index=22, outcome="429")
+    state.finish(index=47, outcome="done-refund")
+    state.finish(index=41, outcome="done-refund")
+    check_invariants(state)
