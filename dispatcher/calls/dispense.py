@@ -129,6 +129,8 @@ def claim_batch(
         reserved_units: dict[str, int] = {}
         # Key sets whose next call costs more than their keys have room for; its cost per key.
         walled: dict[str, dict[str, int]] = {}
+        # Per key, the least turn of a key set waiting for its room this pass (shares.interleave).
+        held: dict[str, float] = {}
         while active and budget > 0:
             share = max(1, budget // len(active))
             asks: dict[str, int] = {}
@@ -152,26 +154,29 @@ def claim_batch(
                     continue
                 candidates[row.key_set].append(row)
 
-            def admit(row: Claimed, got: dict[str, int] = got) -> bool:
-                """Count the call on its keys if it fits their room; a call that does not fit (its
-                cost) ends its key set's turns, so no cheaper call of it jumps it."""
+            def admit(row: Claimed, got: dict[str, int] = got) -> list[str]:
+                """Count the call on its keys if it fits their room and return no key; else return
+                the keys it does not fit (its cost): it ends its key set's turns, so no cheaper call
+                of it jumps it, and holds their room for it (``shares.interleave``)."""
                 keys = parsed[row.key_set]
-                if row.key_set in walled or any(
-                    row.units(key) > room[key] and (key in reserved or row.units(key) > alone[key]) for key in keys
-                ):
+                short = [
+                    key for key in keys
+                    if row.units(key) > room[key] and (key in reserved or row.units(key) > alone[key])
+                ]
+                if short or row.key_set in walled:
                     walled.setdefault(row.key_set, {key: row.units(key) for key in keys})
-                    return False
+                    return short or list(walled[row.key_set])
                 got[row.key_set] = got.get(row.key_set, 0) + 1
                 for key in keys:
                     room[key] -= row.units(key)
                     reserved[key] = reserved.get(key, 0) + 1
                     reserved_units[key] = reserved_units.get(key, 0) + row.units(key)
-                return True
+                return []
 
             kept, unfit = shares.interleave(
                 candidates, turns,
                 lambda row: max((row.units(key) for key in parsed[row.key_set]), default=1) / weight[row.key_set],
-                admit,
+                admit, parsed, held,
             )
             given.update(row.key_set for row in kept)
             if unfit:

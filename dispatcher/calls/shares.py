@@ -9,6 +9,12 @@ or comes back after ``STALE_AFTER`` without a claim, starts level with the least
 that kept competing: it gets its share from then on, never a catch-up burst, and owes nothing
 for the time it did not compete.
 
+A call that does not fit the room left on a key holds that key for its key set: no key set whose
+turn is past its own is admitted on that key for the rest of the pass. Cheaper calls of key sets
+served more would otherwise take the room as it frees, and a costlier call would never find
+enough: three units of a shared key's three per window, one of them taken each window by a key
+set served less, left a key set of 3-unit calls 8 units behind one of 2-unit calls in 9 windows.
+
 The bound: a key set with a due call whose own keys have room is admitted within (N - 1) * (c + 1)
 admissions of the shared key, N the key sets competing for it and c the largest cost of their
 calls (with calls of one unit, within 2(N - 1)): every other competitor is admitted only while
@@ -17,7 +23,7 @@ its turn is not past the waiting one's, and each admission moves its turn on by 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TypeVar
 
@@ -41,14 +47,20 @@ def interleave(
     candidates: Mapping[str, Sequence[Candidate]],
     served: dict[str, float],
     units: Callable[[Candidate], float],
-    admit: Callable[[Candidate], bool],
+    admit: Callable[[Candidate], Collection[str]],
+    keys: Mapping[str, Collection[str]],
+    held: dict[str, float] | None = None,
 ) -> tuple[list[Candidate], list[Candidate]]:
     """Admit candidates one at a time, each from the key set served least so far; return (kept, returned).
 
-    Each key set's candidates are taken in their own order; ``admit`` says whether one fits (and
-    counts it); one that does not ends its key set's turn, so no cheaper call jumps it. ``served``
-    moves by each admitted call's units.
+    Each key set's candidates are taken in their own order; ``admit`` counts one if it fits and
+    returns no key, else returns the keys whose room it does not fit. One that does not fit ends
+    its key set's turns, so no cheaper call of it jumps it, and holds those keys (``held``: per
+    key, the least turn waiting for its room, kept by the caller across its calls of one pass):
+    a key set of ``keys`` on a held key is not admitted while its turn is past the holder's.
+    ``served`` moves by each admitted call's units.
     """
+    held = {} if held is None else held
     turns = [(served[ks], ks) for ks, rows in candidates.items() if rows]
     heapq.heapify(turns)
     taken = dict.fromkeys(candidates, 0)
@@ -57,7 +69,13 @@ def interleave(
     while turns:
         turn, ks = heapq.heappop(turns)
         rows, index = candidates[ks], taken[ks]
-        if not admit(rows[index]):
+        if any(held.get(key, turn) < turn for key in keys[ks]):
+            returned.extend(rows[index:])  # a key set served less waits for room on a key of it
+            continue
+        short = admit(rows[index])
+        if short:
+            for key in short:
+                held[key] = min(held.get(key, turn), turn)
             returned.extend(rows[index:])
             continue
         kept.append(rows[index])

@@ -12,15 +12,21 @@ NOW = datetime(2030, 1, 1, tzinfo=UTC)
 
 
 def _admit_within(room: dict[str, int]):
-    def admit(call: tuple[str, int]) -> bool:
+    def admit(call: tuple[str, int]) -> list[str]:
         tenant, units = call
-        if units > room["shared"] or units > room[tenant]:
-            return False
-        room["shared"] -= units
-        room[tenant] -= units
-        return True
+        short = [key for key in ("shared", tenant) if units > room[key]]
+        if not short:
+            room["shared"] -= units
+            room[tenant] -= units
+        return short
 
     return admit
+
+
+def _interleave(candidates, served, units, room):
+    """interleave() over tenants that each have a key of their own and all share ``shared``."""
+    keys = {tenant: ("shared", tenant) for tenant in candidates}
+    return interleave(candidates, served, units, _admit_within(room), keys)
 
 
 def test_tenants_that_sent_first_do_not_take_the_shared_room_of_the_others():
@@ -28,7 +34,7 @@ def test_tenants_that_sent_first_do_not_take_the_shared_room_of_the_others():
     candidates = {f"t{i}": [(f"t{i}", 1), (f"t{i}", 1)] for i in range(8)}
     room = {"shared": 8, **{t: 2 for t in candidates}}
     served = dict.fromkeys(candidates, 0.0)
-    kept, returned = interleave(candidates, served, lambda call: call[1], _admit_within(room))
+    kept, returned = _interleave(candidates, served, lambda call: call[1], room)
     assert sorted(tenant for tenant, _ in kept) == sorted(candidates)
     assert len(returned) == 8
 
@@ -37,7 +43,7 @@ def test_the_least_served_key_set_goes_first_whatever_its_name():
     candidates = {"a": [("a", 1)] * 3, "b": [("b", 1)] * 3}
     room = {"shared": 3, "a": 3, "b": 3}
     served = {"a": 10.0, "b": 8.0}
-    kept, _ = interleave(candidates, served, lambda call: call[1], _admit_within(room))
+    kept, _ = _interleave(candidates, served, lambda call: call[1], room)
     assert [tenant for tenant, _ in kept] == ["b", "b", "a"]
     assert served == {"a": 11.0, "b": 10.0}
 
@@ -46,7 +52,7 @@ def test_calls_of_different_costs_share_by_units():
     candidates = {"big": [("big", 4)] * 5, "small": [("small", 1)] * 20}
     room = {"shared": 20, "big": 20, "small": 20}
     served = {"big": 0.0, "small": 0.0}
-    kept, _ = interleave(candidates, served, lambda call: call[1], _admit_within(room))
+    kept, _ = _interleave(candidates, served, lambda call: call[1], room)
     units = {t: sum(u for tenant, u in kept if tenant == t) for t in candidates}
     assert abs(units["big"] - units["small"]) <= 4
 
@@ -54,9 +60,36 @@ def test_calls_of_different_costs_share_by_units():
 def test_a_call_that_does_not_fit_ends_its_key_sets_turns_and_no_cheaper_call_jumps_it():
     candidates = {"a": [("a", 5), ("a", 1)], "b": [("b", 1)]}
     room = {"shared": 3, "a": 10, "b": 10}
-    kept, returned = interleave(candidates, {"a": 0.0, "b": 0.0}, lambda call: call[1], _admit_within(room))
+    kept, returned = _interleave(candidates, {"a": 0.0, "b": 0.0}, lambda call: call[1], room)
     assert kept == [("b", 1)]
     assert returned == [("a", 5), ("a", 1)]
+
+
+def test_a_costly_call_that_does_not_fit_holds_the_shared_room_from_key_sets_served_more():
+    # Hypothesis found it: a shared key of 3 per window; t0 sends 1-unit calls (room 1 of its own),
+    # t1 3-unit calls, t2 2-unit calls. Each window t0, served least, took one unit; t1's call did
+    # not fit the two left, and t2, served more than t1, took them: after 9 windows t1 had 6
+    # units and t2 14. Now t2 waits while t1, served less, waits for the room.
+    cost = {"t0": 1, "t1": 3, "t2": 2}
+    backlog = {"t0": 7, "t1": 3, "t2": 8}
+    served = dict.fromkeys(cost, 0.0)
+    given = dict.fromkeys(cost, 0)
+    for _ in range(9):
+        room = {"shared": 3, "t0": 1, "t1": 3, "t2": 3}
+        candidates = {t: [(t, cost[t])] * min(backlog[t], room[t] // cost[t]) for t in cost if backlog[t]}
+        kept, _ = _interleave(candidates, served, lambda call: call[1], room)
+        for tenant, units in kept:
+            backlog[tenant] -= 1
+            given[tenant] += units
+    assert backlog["t1"] and backlog["t2"]  # both still waiting
+    assert abs(given["t1"] - given["t2"]) <= 3, given
+
+
+def test_a_call_that_does_not_fit_its_own_key_holds_no_other_key_set():
+    candidates = {"a": [("a", 3)], "b": [("b", 2)]}
+    room = {"shared": 5, "a": 2, "b": 5}  # a's own key has 2 left: its 3-unit call waits for it
+    kept, returned = _interleave(candidates, {"a": 0.0, "b": 1.0}, lambda call: call[1], room)
+    assert kept == [("b", 2)] and returned == [("a", 3)]
 
 
 def test_a_key_set_that_comes_back_starts_level_with_the_least_served_one_that_kept_competing():
@@ -95,7 +128,7 @@ def test_shared_room_is_split_fairly_window_after_window(tenants, shared_room, w
             t: [(t, cost[t])] * min(backlog[t], own_room[t] // cost[t])
             for t in own_room if backlog[t] and own_room[t] >= cost[t]
         }
-        kept, _ = interleave(candidates, served, lambda call: call[1], _admit_within(room))
+        kept, _ = _interleave(candidates, served, lambda call: call[1], room)
         assert room["shared"] >= 0 and all(room[t] >= 0 for t in own_room)
         for tenant, units in kept:
             backlog[tenant] -= 1
@@ -122,7 +155,7 @@ def test_backlogged_key_sets_share_by_weight(weights, shared_room):
     for _ in range(windows):
         room = {"shared": shared_room, **dict.fromkeys(tenants, shared_room)}
         candidates = {t: [(t, 1)] * shared_room for t in tenants}
-        kept, _ = interleave(candidates, served, lambda call: call[1] / tenants[call[0]], _admit_within(room))
+        kept, _ = _interleave(candidates, served, lambda call: call[1] / tenants[call[0]], room)
         for tenant, units in kept:
             given[tenant] += units
     total, weight_sum = sum(given.values()), sum(weights)
