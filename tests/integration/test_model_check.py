@@ -23,7 +23,7 @@ import dispatcher.limits.gate
 import dispatcher.retry
 from dispatcher import CostNeverFits
 from dispatcher.limits import catalog, edit, gate
-from dispatcher.limits.shapes import TokenBucket
+from dispatcher.limits.shapes import SlidingWindow, TokenBucket
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from tests.claims import claim
 from tests.clocks import fake_db_clock
@@ -406,3 +406,19 @@ def test_a_refund_moves_a_start_of_zero_units_right_after_it_with_the_later_tota
     state.finish(index=47, outcome="done-refund")
     state.finish(index=41, outcome="done-refund")
     check_invariants(state)
+
+
+@pytest.mark.django_db
+def test_a_window_counts_a_start_tied_with_a_refunded_one_by_the_logs_order() -> None:
+    """Two starts at one instant, the later refunded to 0 units: its row shares the earlier one's
+    running total. The window's probe reads the total before its first start; taking the
+    refunded row for the first (a plan may return either: here it is the older row on disk)
+    counted the earlier start's unit out of the window: 0 used on PostgreSQL before the probe
+    broke ties by row (SQLite's index returned the rows by id already)."""
+    at = datetime(2030, 1, 1, tzinfo=UTC)
+    StartLog.objects.create(id=20, key="w", started_at=at, units=0, cum=1, call_id=2)
+    StartLog.objects.create(id=10, key="w", started_at=at, units=1, cum=1, call_id=1)
+    state = KeyState.objects.create(key="w", total=1)
+    window = SlidingWindow("w", 5, timedelta(seconds=2))
+    (reading,) = gate.read_policies({"w": [window]}, {"w": state}, at + timedelta(seconds=1))["w"]
+    assert reading.used == 1
