@@ -375,21 +375,21 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
             count = handlerpool.reserve(len(rest), wait_for, anyway=not waiting)
         if count:
             part, rest = rest[:count], rest[count:]
-            runs: list[Run] = []
+            handed = 0
             try:
-                runs = _start_group(part, outcomes)
+                # A part's calls go to the pool at once (its threads take them in order): handed over a few
+                # at a time, threads idled while started calls waited (slots busy 60-82%, 71-84% so).
+                for runs in _start_group(part, outcomes):
+                    started = handlerpool.hand_over(runs, _call_handler_in_pool)
+                    futures.update(started)
+                    waiting |= set(started)
+                    handed += len(runs)
             except Exception as exc:  # the calls at work are recorded first; the rest stay dispatched
                 if not waiting:
                     raise
                 failed, rest = exc, []
             finally:
-                handlerpool.give_back(len(part) - len(runs))
-            # A part's calls go to the pool at once, whose threads take them in order. A `-c N`
-            # worker's messages share one pool of N: handing calls over a few at a time left
-            # threads idle while started calls waited (slots busy at the API 60-82%, 71-84% so).
-            started = handlerpool.hand_over(runs, _call_handler_in_pool)
-            futures.update(started)
-            waiting |= set(started)
+                handlerpool.give_back(len(part) - handed)
         if waiting:
             done, waiting = wait(waiting, timeout=0 if rest else None, return_when=FIRST_COMPLETED)
             if done and waiting:  # what returns within GATHER of the first is recorded with it
@@ -402,10 +402,10 @@ def execute_many(deliveries: list[tuple[int, int]]) -> dict[str, int]:
     return outcomes
 
 
-def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) -> list[Run]:
-    """Start a message's calls together; return those that started (the others counted in ``outcomes``)."""
+def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) -> Iterator[list[Run]]:
+    """Start a message's calls together; yield each try's started calls before the wait for those that
+    came early (a send delay up to DISPATCH_AHEAD otherwise); count the others in ``outcomes``."""
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    runs: list[Run] = []
     # Calls claimed ahead of their slot wait for it (briefly, holding no lock), as one call does.
     ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
     pending = list(deliveries)
@@ -414,7 +414,7 @@ def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) ->
         started = _record(CallQueue.objects.start_many, pending, worker=worker, may_wait=may_wait)
         # The group's start clock and what it noted: each handler thread measures its send from it.
         noted = arrivals.snapshot()
-        early = []
+        early, runs = [], []
         for (call_id, dispatch_no), one in zip(pending, started, strict=True):
             if one.state == StartState.STARTED:
                 assert one.call is not None and one.attempt is not None
@@ -425,11 +425,11 @@ def _start_group(deliveries: list[tuple[int, int]], outcomes: dict[str, int]) ->
             else:
                 log.info("run_skipped call=%s dispatch=%s state=%s reason=%s", call_id, dispatch_no, one.state, one.reason)
                 outcomes[one.state] = outcomes.get(one.state, 0) + 1
+        yield runs
         if not early:
             break
         pending = [delivery for delivery, _ in early]
         time.sleep(min(delay for _, delay in early).total_seconds())
-    return runs
 
 
 def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
