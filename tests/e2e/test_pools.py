@@ -95,13 +95,15 @@ def test_a_threads_or_gevent_worker_runs_every_call_once_within_every_policy(
     # One pooled HTTP client per process: the calls reused a handful of kept-alive connections.
     assert fake_api.connections <= concurrency * per_message
     # Database sessions stay within the pool's size, plus the two dispensers' two each (work and
-    # LISTEN), the worker's main process and this test's own: 6, as docs/pools.md counts them.
+    # LISTEN), the worker's main process, its delay writer (from its first request later than its
+    # key's memory covered; counted without it, -c 8 once peaked one over) and this test's own: 7,
+    # as docs/pools.md counts them.
     # Under gevent a task's connection closes when its greenlet ends instead of lingering until
     # garbage collection. With several calls per message, each handler thread of a message may
     # open one too (the http handler stores the API's rate-limit signals), closed when its
     # handler returns.
     sessions = concurrency * (1 + per_message) if per_message > 1 else concurrency
-    assert sampler.peak <= sessions + 6, f"peak {sampler.peak} database sessions: {sampler.at_peak}"
+    assert sampler.peak <= sessions + 7, f"peak {sampler.peak} database sessions: {sampler.at_peak}"
     print(
         f"\n{pool} -c {concurrency}, {per_message} per message: peak starts {max_in_window(partner, 1.0)}/1s (limit 12), peak in flight"
         f" {fake_api.max_in_flight} (limit 5), {fake_api.connections} connections, database sessions peak {sampler.peak}"
