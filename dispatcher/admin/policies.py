@@ -164,10 +164,14 @@ class RateLimitAdmin(RefuseUnstorableMixin, ButtonsMixin, ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type:
         return KeyChangeList
 
-    def get_actions(self, request: HttpRequest) -> dict[str, Any]:
+    def get_actions(self, request: HttpRequest, action_location: Any = None) -> dict[str, Any]:
         # A row stands for every policy of its key: deleting "the selected" would delete one of
-        # them. A policy is deleted from its own page.
-        actions = super().get_actions(request)
+        # them. A policy is deleted from its own page. (``action_location``: Django 6.1 passes
+        # where the actions show, and warns of an override without it; earlier versions do not.)
+        if action_location is None:
+            actions = super().get_actions(request)
+        else:
+            actions = super().get_actions(request, action_location=action_location)  # type: ignore[call-arg]
         actions.pop("delete_selected", None)
         return actions
 
