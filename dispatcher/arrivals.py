@@ -72,7 +72,9 @@ class Noted(NamedTuple):
     def tells_ahead(self) -> bool:
         """Whether a late request tells its keys as it goes out (``delaywriter``): a window that
         counts under a learnt guard, or a bucket not held, moved on by the request's lateness."""
-        return bool(self.windows) or (self.pushed is not None and bool(self.unheld_buckets()))
+        return bool(self.windows) or (
+            self.pushed is not None and any(periods and key not in self.holds for key, periods in self.buckets.items())
+        )
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""

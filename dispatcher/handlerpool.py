@@ -148,9 +148,9 @@ def _grant(now: float) -> None:
     """Give room to the messages asking for it that fit now, in the order they asked, and wake
     each. Under ``_lock``."""
     global _waiting
-    if not _asks:
-        return
     limit = handler_threads()
+    if not _asks or _waiting >= limit:
+        return
     expected = _expected(limit, now)
     for ask in list(_asks):
         fit = min(ask.calls, max(expected - _waiting, 0)) if _waiting < limit else 0
