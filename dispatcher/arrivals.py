@@ -142,12 +142,15 @@ _marks_sent: set[Callable[..., Any]] = set()
 class Sent(NamedTuple):
     """A call's start-to-send delay: the request's (after any hold), the one before the hold, and
     for a held request how much later than its release allowed it went out (a handler that marks
-    its send after it was released: ``overdue``); and whether the request opened its connection
-    first (``opened``).
+    its send after it was released: ``overdue``); and whether the request opened its
+    process's first connection to its host (``opened``).
 
-    An opened request's delay holds the connection's opening (a TCP handshake, TLS, and in a new
-    process the first request's own first pass: 40-60 ms on the loaded benchmark machine against
-    at most 18 ms for the same process's later calls), which its key's next requests do not pay.
+    An opened request is its process's first to its host (``opening``): its delay holds the
+    connection's opening (a TCP handshake, TLS) and the process's first pass through the request
+    (40-60 ms on the loaded benchmark machine against at most 18 ms for the same process's later
+    calls), which its key's next requests do not pay. The process's later connections to the
+    host are not: an API that closes every connection (or keep-alive ending between calls) opens
+    one for each request, a delay its key pays every time and must remember.
     Its window keys do not remember it (``to_write``, ``delaywriter.remember_ahead``): a window
     counts every start of the next span or two under the guard its key remembers, and pays that
     guard at every turn. Where the request went out later than its start's guard allowed, it is
@@ -387,14 +390,18 @@ def mark_sent() -> None:
 
 
 def trace(event: str, info: dict[str, Any]) -> None:
-    """An httpcore trace hook: the request opens its connection, its headers start going out
-    (the connection is open), and the answer's headers have come."""
-    if event.endswith("connect_tcp.started"):
-        here().opened = True
-    elif event.endswith("send_request_headers.started"):
+    """An httpcore trace hook: the request's headers start going out (the connection is open),
+    and the answer's headers have come."""
+    if event.endswith("send_request_headers.started"):
         mark_sent()
     elif event.endswith("receive_response_headers.complete"):
         answered()
+
+
+def opening() -> None:
+    """Say that the running call's request opens its process's first connection to its host, a
+    delay that request alone pays (``Sent.opened``; the http handler's client says it)."""
+    here().opened = True
 
 
 def snapshot() -> tuple[float | None, Noted | None, float | None]:

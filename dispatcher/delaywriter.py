@@ -82,8 +82,9 @@ def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] 
 def count_again(noted: Noted, clock_read: float, *, db: str) -> None:
     """Have the writer log the running call's start again in its window keys' logs, now, if its
     request goes out later than any guard a window counts under (``GUARD_MAX`` less the
-    configured guard), or, for a request that opened its connection, later than the guard its
-    start counted it under: the windows then count it from its send too (``ledger.count_again``).
+    configured guard), or, for a process's first request to its host (``arrivals.Sent.opened``),
+    later than the guard its start counted it under: the windows then count it from its send too
+    (``ledger.count_again``).
 
     Its delay is kept as for any late request, but the guard a window counts under stops at the
     cap, so the starts a period after its start were judged without it: in the shaped benchmark
@@ -97,7 +98,7 @@ def count_again(noted: Noted, clock_read: float, *, db: str) -> None:
     elapsed = timedelta(seconds=time.monotonic() - clock_read) + MOVE_PAD
     cap = dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX)
     beyond = cap - dispatcher_settings.ARRIVAL_GUARD
-    # A request that opened its connection is not remembered (``arrivals.Sent``): counted again
+    # A process's first request to its host is not remembered (``arrivals.Sent``): counted again
     # as soon as it is later than the delay its start counted it under.
     keys = [key for key in noted.windows if elapsed > (noted.allowed.get(key, beyond) if run.opened else beyond)]
     if not keys:

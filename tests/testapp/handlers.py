@@ -57,15 +57,15 @@ def marked_clock(
 ) -> dict[str, str]:
     """Work ``work`` seconds, mark the send and return the database clock then, and its start's,
     once the answer came ``answer`` seconds later (a slow API); ``atomic``: all of it inside a
-    transaction of the handler's own; ``opens``: the work is opening the request's connection
-    (httpcore's trace event, as the http handler's client sends it)."""
+    transaction of the handler's own; ``opens``: the work is opening the process's first
+    connection to the API (as the http handler's client says it)."""
     import time
 
     from django.db import transaction
 
     with transaction.atomic() if atomic else contextlib.nullcontext():
         if opens:
-            arrivals.trace("connection.connect_tcp.started", {})
+            arrivals.opening()
         time.sleep(work)
         arrivals.mark_sent()
         clocks = _clocks()
