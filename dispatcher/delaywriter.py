@@ -63,8 +63,6 @@ def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] 
     Hand it its lateness for its unheld buckets too (``move_ahead``); return that move, if any."""
     moved = move_ahead(noted, clock_read, db=db)
     count_again(noted, clock_read, db=db)
-    if here().opened:
-        return moved  # its connection's delay, not its keys' (``arrivals.Sent``): counted again if late
     for _ in range(MOVES):
         elapsed = timedelta(seconds=time.monotonic() - clock_read)
         if not _changes(noted, elapsed):
@@ -82,9 +80,7 @@ def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] 
 def count_again(noted: Noted, clock_read: float, *, db: str) -> None:
     """Have the writer log the running call's start again in its window keys' logs, now, if its
     request goes out later than any guard a window counts under (``GUARD_MAX`` less the
-    configured guard), or, for a process's first request to its host (``arrivals.Sent.opened``),
-    later than the guard its start counted it under: the windows then count it from its send too
-    (``ledger.count_again``).
+    configured guard): the windows then count it from its send too (``ledger.count_again``).
 
     Its delay is kept as for any late request, but the guard a window counts under stops at the
     cap, so the starts a period after its start were judged without it: in the shaped benchmark
@@ -97,15 +93,11 @@ def count_again(noted: Noted, clock_read: float, *, db: str) -> None:
         return
     elapsed = timedelta(seconds=time.monotonic() - clock_read) + MOVE_PAD
     cap = dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX)
-    beyond = cap - dispatcher_settings.ARRIVAL_GUARD
-    # A process's first request to its host is not remembered (``arrivals.Sent``): counted again
-    # as soon as it is later than the delay its start counted it under.
-    keys = [key for key in noted.windows if elapsed > (noted.allowed.get(key, beyond) if run.opened else beyond)]
-    if not keys:
+    if elapsed <= cap - dispatcher_settings.ARRIVAL_GUARD:
         return
     run.counted_again = True
-    counted = _executor().submit(_count_again, keys, run.call.id, db)
-    if min(noted.windows[key] for key in keys) - elapsed < WAIT_WITHIN:
+    counted = _executor().submit(_count_again, list(noted.windows), run.call.id, db)
+    if min(noted.windows.values()) - elapsed < WAIT_WITHIN:
         _wait(counted)
 
 
