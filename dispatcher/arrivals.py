@@ -67,14 +67,15 @@ class Noted(NamedTuple):
     def unheld_buckets(self) -> dict[str, list[timedelta]]:
         """Return the bucket periods of the keys whose requests are not held: a late request moves
         them on by its lateness itself (``overdue``)."""
-        return {key: periods for key, periods in self.buckets.items() if periods and key not in self.holds}
+        return dict(self._unheld())
+
+    def _unheld(self) -> Iterator[tuple[str, list[timedelta]]]:
+        return ((key, periods) for key, periods in self.buckets.items() if periods and key not in self.holds)
 
     def tells_ahead(self) -> bool:
         """Whether a late request tells its keys as it goes out (``delaywriter``): a window that
         counts under a learnt guard, or a bucket not held, moved on by the request's lateness."""
-        return bool(self.windows) or (
-            self.pushed is not None and any(periods and key not in self.holds for key, periods in self.buckets.items())
-        )
+        return bool(self.windows) or (self.pushed is not None and next(self._unheld(), None) is not None)
 
     def of(self, keys: list[str]) -> Noted:
         """Return what it noted for these keys only."""
