@@ -63,6 +63,10 @@ def remember_ahead(noted: Noted, clock_read: float, *, db: str) -> Future[None] 
     Hand it its lateness for its unheld buckets too (``move_ahead``); return that move, if any."""
     moved = move_ahead(noted, clock_read, db=db)
     count_again(noted, clock_read, db=db)
+    if here().opened:
+        # Its connection's delay, not its keys' (``arrivals.Sent``): kept as a late start if late.
+        keep_late(noted, clock_read, db=db)
+        return moved
     for _ in range(MOVES):
         elapsed = timedelta(seconds=time.monotonic() - clock_read)
         if not _changes(noted, elapsed):
@@ -99,6 +103,47 @@ def count_again(noted: Noted, clock_read: float, *, db: str) -> None:
     counted = _executor().submit(_count_again, list(noted.windows), run.call.id, db)
     if min(noted.windows.values()) - elapsed < WAIT_WITHIN:
         _wait(counted)
+
+
+def keep_late(noted: Noted, clock_read: float, *, db: str) -> None:
+    """Have the writer keep the running call's start as a late start on its window keys
+    (``ledger.keep_late``) where its request, its process's first to its host
+    (``arrivals.Sent.opened``), goes out later than the delay its start counted it under.
+
+    Such a request's delay is not remembered: a window counts every start of the next span or
+    two under the delay its key remembers, and pays it at every turn. Kept as a late start, its
+    windows count that start alone until a period after its arrival, exactly as long as the
+    API's window holds it, and no other start is taxed by it. A key that keeps ``LATE_MAX`` late
+    starts already remembers the delay instead. The request waits for the write only where the
+    key's shortest window leaves less than ``WAIT_WITHIN`` after its start, as for its delay."""
+    run = here()
+    if not noted.windows or run.call is None or run.counted_again:
+        return  # a request past the cap is logged again from its send (``count_again``)
+    elapsed = timedelta(seconds=time.monotonic() - clock_read) + MOVE_PAD
+    floor = dispatcher_settings.ARRIVAL_GUARD
+    beyond = dispatcher_settings.tuned("ARRIVAL_GUARD_MAX", GUARD_MAX) - floor
+    keys = [key for key in noted.windows if elapsed > min(noted.allowed.get(key, beyond), beyond)]
+    if not keys:
+        return
+    spans = {key: noted.spans[key] for key in keys}
+    kept = _executor().submit(_keep_late, spans, run.call.id, elapsed, elapsed + floor, noted, db)
+    if min(noted.windows[key] for key in keys) - elapsed < WAIT_WITHIN:
+        _wait(kept)
+
+
+def _keep_late(
+    spans: dict[str, timedelta], call_id: int, elapsed: timedelta, reach: timedelta, noted: Noted, db: str
+) -> None:
+    """On the writer: keep the late start; the keys that keep too many remember its delay."""
+    try:
+        full = ledger.keep_late(list(spans), call_id, reach, spans, using=db)
+    except DatabaseError as exc:
+        log.warning("late_start_not_kept call=%s error=%r", call_id, exc)
+        connections[db].close()  # the next write opens a new one
+        raise
+    log.info("late_start_kept call=%s keys=%s reach_ms=%.1f", call_id, ",".join(spans)[:200], reach.total_seconds() * 1000)
+    if full:
+        _write({key: spans[key] for key in full}, elapsed, elapsed, noted.now + elapsed, time.monotonic(), db, noted.kept)
 
 
 def _count_again(keys: list[str], call_id: int, db: str) -> None:

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 import httpcore
 import httpx
 
+from dispatcher import arrivals
 from dispatcher.conf import dispatcher_settings
 from dispatcher.running import here
 
@@ -117,11 +118,18 @@ def vetted_addresses(host: str, port: int) -> list[str]:
     return addresses
 
 
+# Hosts one process remembers having connected to, at most (cleared when full).
+MAX_HOSTS = 10_000
+
+
 class _GuardedBackend(httpcore.NetworkBackend):
-    """Opens TCP connections only to vetted addresses, each bounded by the call's deadline."""
+    """Opens TCP connections only to vetted addresses, each bounded by the call's deadline, and
+    says when a request opens the process's first connection to its host (``arrivals.opening``)."""
 
     def __init__(self) -> None:
         self._inner = httpcore.SyncBackend()
+        self._hosts: set[tuple[str, int]] = set()
+        self._hosts_lock = threading.Lock()
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Any = None) -> httpcore.NetworkStream:
@@ -138,8 +146,19 @@ class _GuardedBackend(httpcore.NetworkBackend):
             except httpcore.ConnectError as exc:
                 failure = exc
                 continue
+            self._connected(host, port)
             return _BoundedStream(stream)
         raise failure or httpcore.ConnectError(f"no address for {host}")
+
+    def _connected(self, host: str, port: int) -> None:
+        """Note a connection opened; the first to its host tells the running call it opened it."""
+        with self._hosts_lock:
+            if (host, port) in self._hosts:
+                return
+            if len(self._hosts) >= MAX_HOSTS:
+                self._hosts.clear()
+            self._hosts.add((host, port))
+        arrivals.opening()
 
     def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options: Any = None) -> NoReturn:
         raise httpcore.ConnectError("unix sockets are not used")

@@ -55,6 +55,9 @@ class Run:
     # Whether its start was logged again in its windows as its request went out, later than any
     # guard (``delaywriter.count_again``).
     counted_again: bool = False
+    # Whether its request opened its process's first connection to its host
+    # (``arrivals.opening``): a delay that is its connection's, not its key's (``arrivals.Sent``).
+    opened: bool = False
     # When the request went out (the handler says so), else when the handler was invoked, after
     # any hold; ``natural``: when it would have gone out without the hold.
     sent: float | None = None

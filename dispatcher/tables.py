@@ -113,6 +113,11 @@ class KeyState(models.Model):
     send_delay_us = models.BigIntegerField(default=0, db_default=0, help_text="Largest start-to-send delay measured lately (µs).")
     send_delay_prev_us = models.BigIntegerField(default=0, db_default=0, help_text="The same, in the span before.")
     send_delay_since = models.DateTimeField(null=True, blank=True)
+    # Starts whose request arrived later than their windows counted them under, kept instead of
+    # their delay (guard.LateStart): "start_us:reach_us:units", ";" between them.
+    late_starts = models.TextField(
+        blank=True, default="", db_default="", help_text="Starts whose request arrived late, each counted by its own arrival."
+    )
     # Set by ``ratelimit weight``: the share of a shared key that key sets carrying this key get.
     weight = models.PositiveIntegerField(
         null=True, blank=True, help_text="Share of a shared key's room its key sets get against others (empty: 1)."

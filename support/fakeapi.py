@@ -165,6 +165,8 @@ class FakeAPI:
     # Requests admitted and not yet done with their work (concurrency counts these).
     serving: int = 0
     max_serving: int = 0
+    # Close every connection after its answer (``Connection: close``), as an API without keep-alive.
+    close_connections: bool = False
     # Whether this partner's start froze the test process's heap (``_partner_started``).
     frozen_heap: bool = field(default=False, repr=False)
 
@@ -184,6 +186,11 @@ class FakeAPI:
                 with api.lock:
                     api.connections += 1
                 super().setup()
+
+            def end_headers(self) -> None:
+                if api.close_connections:
+                    self.send_header("Connection", "close")  # and closes it after the answer
+                super().end_headers()
 
             def do_GET(self) -> None:
                 api._serve(self)

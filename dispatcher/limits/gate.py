@@ -14,7 +14,7 @@ from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
 from dispatcher.limits.catalog import Policies, kept_policies, policies_statement, remember_policies
-from dispatcher.limits.guard import delay_memory
+from dispatcher.limits.guard import LateStart, delay_memory, late_in_window, late_starts, merged_leaves_at
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
@@ -75,7 +75,7 @@ def policies_for_start(
         policies = Policies._from_db_rows([row[skip:] for row in rows if row[skip] is not None])
         remember_policies(db, current, policies)
         return policies, now, None
-    readings, running = _from_probes(governed, states, iter(rows[0][2:]), db)
+    readings, running = _from_probes(governed, states, iter(rows[0][2:]), db, now)
     return policies, now, Read(readings, running)
 
 
@@ -151,7 +151,7 @@ def read_keys(
     with connections[db].cursor() as cursor:
         cursor.execute(limit_sql.policy_readings(kinds, connections[db].vendor == "postgresql"), params)
         row = iter(cursor.fetchone())
-    return _from_probes(governed, states, row, db)
+    return _from_probes(governed, states, row, db, now)
 
 
 def _probes(
@@ -180,12 +180,14 @@ def _probes(
 
 
 def _from_probes(
-    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], row: Iterator[Any], db: str
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], row: Iterator[Any], db: str,
+    now: datetime,
 ) -> tuple[dict[str, list[Reading]], dict[str, int]]:
     readings: dict[str, list[Reading]] = {}
     for key, policies in governed.items():
-        total = getattr(states.get(key), "total", 0) or 0
-        readings[key] = [_reading(key, policy, next(row), total, db) for policy in policies]
+        state = states.get(key)
+        total, late = getattr(state, "total", 0) or 0, late_starts(state)
+        readings[key] = [_reading(key, policy, next(row), total, db, late, now) for policy in policies]
     running = {key: next(row) for key, policies in governed.items() if any(p.concurrency for p in policies)}
     return readings, running
 
@@ -204,11 +206,20 @@ def running_by_key(keys: Iterable[str] | None = None, using: str | None = None) 
     return counts
 
 
-def _reading(key: str, policy: PolicyShape, value: int | None, total: int, db: str) -> Reading:
+def _reading(
+    key: str, policy: PolicyShape, value: int | None, total: int, db: str, late: Sequence[LateStart], now: datetime
+) -> Reading:
     if isinstance(policy, TokenBucket):
         return Reading(tat=from_us(value) if value is not None else None)
     base = total if value is None else value
-    return Reading(used=total - base, leaves_at=functools.partial(_unit_leaves_at, db, key, base))
+    logged = functools.partial(_unit_leaves_at, db, key, base)
+    counted = late_in_window(late, now, policy.period, policy.span) if late and isinstance(policy, SlidingWindow) else []
+    if not counted:
+        return Reading(used=total - base, leaves_at=logged)
+    # A late start leaves the window a period after its arrival: as a start of the log would
+    # that started ``reach`` less the window's guard after it.
+    leaving = sorted(s.arrives_by() - policy.guard for s in counted for _ in range(s.units))
+    return Reading(used=total - base + len(leaving), leaves_at=functools.partial(merged_leaves_at, leaving, logged))
 
 
 def _unit_leaves_at(db: str, key: str, base: int, n: int) -> datetime | None:

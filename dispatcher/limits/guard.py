@@ -1,11 +1,12 @@
 """The learnt arrival guard: start-to-send delays remembered per key, and the guard they call for."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+from dispatcher.clock import from_us, to_us
 from dispatcher.limits.shapes import Policy
 
 if TYPE_CHECKING:
@@ -113,3 +114,62 @@ def remembered(kept: DelayMemory, now: datetime | None, span: timedelta) -> time
     if now is None:
         return max(kept.current, kept.previous) if kept.since is not None else timedelta(0)
     return learnt_delay(kept, now, span)
+
+
+# A start whose request arrived later than the guard its windows counted it under (a worker
+# process's first request to an API, which opens its connection: ``arrivals.Sent.opened``) is
+# kept on its key's state as a late start: when it started, how late after that its request may
+# have arrived (its send delay, the pad for the rest of its way out and the configured guard for
+# the network), and its units. A window counts it, once its span no longer does, until a period
+# after that arrival, exactly as long as the API's window holds it (``late_in_window``). At most
+# LATE_MAX per key: a key with more keeps the delay in its memory instead, as any other.
+LATE_MAX = 16
+
+
+@dataclass(frozen=True)
+class LateStart:
+    """A start whose request arrived up to ``reach`` after it."""
+
+    at: datetime
+    reach: timedelta
+    units: int
+
+    def arrives_by(self) -> datetime:
+        return self.at + self.reach
+
+
+def late_starts(state: KeyState | None) -> list[LateStart]:
+    """Return the late starts a key's state row keeps (``"start_us:reach_us:units;..."``)."""
+    text = getattr(state, "late_starts", "") or ""
+    found = []
+    for item in text.split(";"):
+        parts = item.split(":")
+        if len(parts) == 3 and all(p.lstrip("-").isdigit() for p in parts):
+            start, reach, units = (int(p) for p in parts)
+            found.append(LateStart(from_us(start), timedelta(microseconds=reach), units))
+    return found
+
+
+def late_text(starts: Sequence[LateStart]) -> str:
+    """Return late starts as the key's state row keeps them."""
+    return ";".join(f"{to_us(s.at)}:{s.reach // timedelta(microseconds=1)}:{s.units}" for s in starts)
+
+
+def late_in_window(starts: Sequence[LateStart], now: datetime, period: timedelta, span: timedelta) -> list[LateStart]:
+    """Return the late starts a window of ``period``, counting the starts of its ``span`` back from
+    ``now`` from its log, must count besides: those before the span whose request may have arrived
+    within a period of a request sent now (the API's window holds it until a period after its arrival)."""
+    return [s for s in starts if s.at < now - span and s.arrives_by() + period >= now]
+
+
+def merged_leaves_at(late: list[datetime], logged: Callable[[int], datetime | None], n: int) -> datetime | None:
+    """Return when the n-th unit of a window leaves it, of its late starts' units (their leaving,
+    as a start of the log's, in order) and its log's: the least, over how many of the late ones
+    come first, of the later of the last late one and the log's unit that makes n."""
+    found: list[datetime] = []
+    for first in range(min(len(late), n) + 1):
+        rest = logged(n - first) if n > first else None
+        if n > first and rest is None:
+            continue  # the log has fewer units than that
+        found.append(max(moment for moment in (late[first - 1] if first else None, rest) if moment is not None))
+    return min(found, default=None)

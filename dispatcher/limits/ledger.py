@@ -13,7 +13,17 @@ from django.db.models.functions import Now
 from dispatcher import tables
 from dispatcher.clock import db_now, to_us
 from dispatcher.conf import dispatcher_settings
-from dispatcher.limits.guard import GUARD_MAX, DelayMemory, delay_memory, remember_delay
+from dispatcher.limits.guard import (
+    GUARD_MAX,
+    LATE_MAX,
+    MEMORY_MAX,
+    DelayMemory,
+    LateStart,
+    delay_memory,
+    late_starts,
+    late_text,
+    remember_delay,
+)
 from dispatcher.limits.locks import alias, lock_keys
 from dispatcher.store import limit_sql, schema
 from dispatcher.store.folded import can_fold
@@ -200,6 +210,37 @@ def count_again(keys: Sequence[str], call_id: int, using: str | None = None) -> 
             tables.KeyState.objects.using(db).filter(key=key).update(total=total + units)
         tables.StartLog.objects.using(db).bulk_create(rows)
     return {row.key: row.units for row in rows}
+
+
+def keep_late(
+    keys: Sequence[str], call_id: int, reach: timedelta, spans: Mapping[str, timedelta], using: str | None = None
+) -> list[str]:
+    """Keep the call's start as a late start on these keys (``guard.LateStart``): its request
+    arrived up to ``reach`` after it. Under the key locks, with the start time and units its start
+    logged; a key's late starts older than its memory span (``spans``) are dropped. Return the
+    keys that keep ``LATE_MAX`` already, where it is not kept (a key whose log holds no start of
+    the call, a refunded one, needs nothing)."""
+    db = alias(using)
+    full = []
+    with transaction.atomic(using=db):
+        states = lock_keys(list(keys), using=db)
+        now = db_now(db)
+        logged = {
+            key: (at, units) for key, at, units in
+            tables.StartLog.objects.using(db).filter(call_id=call_id, key__in=list(keys))
+            .order_by("started_at").values_list("key", "started_at", "units")
+        }  # a call started again (a retry): its latest start
+        for key in sorted(states):
+            if key not in logged:
+                continue
+            starts = [s for s in late_starts(states[key]) if s.arrives_by() + spans.get(key, MEMORY_MAX) >= now]
+            if len(starts) >= LATE_MAX:
+                full.append(key)
+                continue
+            at, units = logged[key]
+            starts.append(LateStart(at, reach, units))
+            tables.KeyState.objects.using(db).filter(key=key).update(late_starts=late_text(starts))
+    return full
 
 
 def push_buckets(overdue: Mapping[str, tuple[Sequence[timedelta], timedelta]], using: str | None = None) -> None:

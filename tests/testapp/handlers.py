@@ -52,15 +52,20 @@ def db_clock(**params: Any) -> dict[str, str]:
 
 @handler("marked_clock")
 @marks_sent
-def marked_clock(work: float = 0.0, answer: float = 0.0, atomic: bool = False, **params: Any) -> dict[str, str]:
+def marked_clock(
+    work: float = 0.0, answer: float = 0.0, atomic: bool = False, opens: bool = False, **params: Any
+) -> dict[str, str]:
     """Work ``work`` seconds, mark the send and return the database clock then, and its start's,
     once the answer came ``answer`` seconds later (a slow API); ``atomic``: all of it inside a
-    transaction of the handler's own."""
+    transaction of the handler's own; ``opens``: the work is opening the process's first
+    connection to the API (as the http handler's client says it)."""
     import time
 
     from django.db import transaction
 
     with transaction.atomic() if atomic else contextlib.nullcontext():
+        if opens:
+            arrivals.opening()
         time.sleep(work)
         arrivals.mark_sent()
         clocks = _clocks()
