@@ -134,14 +134,16 @@ def keep_late(noted: Noted, clock_read: float, *, db: str) -> None:
 def _keep_late(
     spans: dict[str, timedelta], call_id: int, elapsed: timedelta, reach: timedelta, noted: Noted, db: str
 ) -> None:
-    """On the writer: keep the late start; the keys that keep too many remember its delay."""
+    """On the writer: keep the late start; the keys that keep too many remember its delay, as do
+    all its keys if it could not be kept (the request's answer leaves them alone: ``to_write``)."""
     try:
         full = ledger.keep_late(list(spans), call_id, reach, spans, using=db)
     except DatabaseError as exc:
-        log.warning("late_start_not_kept call=%s error=%r", call_id, exc)
-        connections[db].close()  # the next write opens a new one
-        raise
-    log.info("late_start_kept call=%s keys=%s reach_ms=%.1f", call_id, ",".join(spans)[:200], reach.total_seconds() * 1000)
+        log.warning("late_start_not_kept call=%s error=%r; remembering its delay", call_id, exc)
+        connections[db].close()  # the write below opens a new one
+        full = list(spans)
+    else:
+        log.info("late_start_kept call=%s keys=%s reach_ms=%.1f", call_id, ",".join(spans)[:200], reach.total_seconds() * 1000)
     if full:
         _write({key: spans[key] for key in full}, elapsed, elapsed, noted.now + elapsed, time.monotonic(), db, noted.kept)
 

@@ -246,6 +246,22 @@ def test_a_request_that_opened_its_connection_within_its_guard_is_neither_rememb
     assert StartLog.objects.filter(key="win").count() == 1
 
 
+def test_a_late_start_that_cannot_be_kept_is_remembered_as_a_delay():
+    """The late start's write fails (its database session lost, say): the key remembers the
+    request's delay instead, as it would any other, so its windows still count it."""
+    from django.db import DatabaseError
+
+    edit.set_policy("win", 5, SECOND)
+    call = CallQueue.objects.send("marked_clock", {"work": 0.15, "opens": True}, keys=["win"])
+    with mock.patch("dispatcher.limits.ledger.keep_late", side_effect=DatabaseError("connection lost")):
+        assert run_all(claim_all(call.key_set).calls) == ["done"]
+        remembered = wait_until(
+            lambda: KeyState.objects.get(key="win").send_delay_us >= 150_000, timeout=5, interval=0.01
+        )
+    assert remembered, KeyState.objects.get(key="win").send_delay_us
+    assert KeyState.objects.get(key="win").late_starts == ""
+
+
 @pytest.mark.parametrize("close_connections", [False, True], ids=["kept-alive", "closed-after-each-answer"])
 def test_only_the_processs_first_connection_to_an_api_is_a_delay_its_key_does_not_remember(close_connections):
     """The real client against a fake API on 127.0.0.1. Its first request opens the process's
