@@ -137,7 +137,7 @@ def _keep_late(
     """On the writer: keep the late start; the keys that keep too many remember its delay, as do
     all its keys if it could not be kept (the request's answer leaves them alone: ``to_write``)."""
     try:
-        full = ledger.keep_late(list(spans), call_id, reach, spans, using=db)
+        full = ledger.keep_late(spans, call_id, reach, using=db)
     except DatabaseError as exc:
         log.warning("late_start_not_kept call=%s error=%r; remembering its delay", call_id, exc)
         connections[db].close()  # the write below opens a new one

@@ -141,6 +141,8 @@ class LateStart:
 def late_starts(state: KeyState | None) -> list[LateStart]:
     """Return the late starts a key's state row keeps (``"start_us:reach_us:units;..."``)."""
     text = getattr(state, "late_starts", "") or ""
+    if not text:
+        return []  # most keys, at every start: nothing to parse
     found = []
     for item in text.split(";"):
         parts = item.split(":")

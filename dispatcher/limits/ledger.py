@@ -16,7 +16,6 @@ from dispatcher.conf import dispatcher_settings
 from dispatcher.limits.guard import (
     GUARD_MAX,
     LATE_MAX,
-    MEMORY_MAX,
     DelayMemory,
     LateStart,
     delay_memory,
@@ -212,28 +211,26 @@ def count_again(keys: Sequence[str], call_id: int, using: str | None = None) -> 
     return {row.key: row.units for row in rows}
 
 
-def keep_late(
-    keys: Sequence[str], call_id: int, reach: timedelta, spans: Mapping[str, timedelta], using: str | None = None
-) -> list[str]:
-    """Keep the call's start as a late start on these keys (``guard.LateStart``): its request
-    arrived up to ``reach`` after it. Under the key locks, with the start time and units its start
-    logged; a key's late starts older than its memory span (``spans``) are dropped. Return the
+def keep_late(spans: Mapping[str, timedelta], call_id: int, reach: timedelta, using: str | None = None) -> list[str]:
+    """Keep the call's start as a late start on the keys of ``spans`` (``guard.LateStart``): its
+    request arrived up to ``reach`` after it. Under the key locks, with the start time and units its
+    start logged; a key's late starts older than its memory span are dropped. Return the
     keys that keep ``LATE_MAX`` already, where it is not kept (a key whose log holds no start of
     the call, a refunded one, needs nothing)."""
     db = alias(using)
     full = []
     with transaction.atomic(using=db):
-        states = lock_keys(list(keys), using=db)
+        states = lock_keys(list(spans), using=db)
         now = db_now(db)
         logged = {
             key: (at, units) for key, at, units in
-            tables.StartLog.objects.using(db).filter(call_id=call_id, key__in=list(keys))
+            tables.StartLog.objects.using(db).filter(call_id=call_id, key__in=list(spans))
             .order_by("started_at").values_list("key", "started_at", "units")
         }  # a call started again (a retry): its latest start
         for key in sorted(states):
             if key not in logged:
                 continue
-            starts = [s for s in late_starts(states[key]) if s.arrives_by() + spans.get(key, MEMORY_MAX) >= now]
+            starts = [s for s in late_starts(states[key]) if s.arrives_by() + spans[key] >= now]
             if len(starts) >= LATE_MAX:
                 full.append(key)
                 continue

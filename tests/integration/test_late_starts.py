@@ -76,7 +76,7 @@ def test_keep_late_keeps_the_calls_latest_start_drops_old_ones_and_says_which_ke
     KeyState.objects.create(key="b", total=1, late_starts=late_text([LateStart(now, MS, 1)] * LATE_MAX))
     KeyState.objects.create(key="c")  # no start of the call: nothing to keep
     spans = {"a": 2 * SECOND, "b": 2 * SECOND, "c": 2 * SECOND}
-    assert ledger.keep_late(["a", "b", "c"], 7, 80 * MS, spans) == ["b"]
+    assert ledger.keep_late(spans, 7, 80 * MS) == ["b"]
     assert late_starts(KeyState.objects.get(key="a")) == [LateStart(now, 80 * MS, 2)]
     assert len(late_starts(KeyState.objects.get(key="b"))) == LATE_MAX
     assert KeyState.objects.get(key="c").late_starts == ""
