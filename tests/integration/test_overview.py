@@ -12,7 +12,8 @@ from django.urls import reverse
 
 from dispatcher.clock import db_now
 from dispatcher.limits import edit
-from dispatcher.models import Attempt, CallQueue
+from dispatcher.limits.guard import LateStart, late_text
+from dispatcher.models import Attempt, CallQueue, KeyState
 from tests import console_scenario as scenario
 
 pytestmark = pytest.mark.django_db
@@ -136,9 +137,16 @@ def test_the_overview_reads_the_same_use_and_room_as_a_keys_status(make_call):
     edit.set_policy("api", 100, timedelta(hours=1))
     edit.set_policy("shop", 60, timedelta(minutes=1), burst=5)
     edit.set_policy("full", 2, timedelta(hours=1))
+    edit.set_policy("late", 2, timedelta(seconds=10))
     now = db_now()
     log_starts("api", [now - timedelta(minutes=m) for m in (0.5, 5, 30, 90)])
     log_starts("full", [now - timedelta(minutes=1), now - timedelta(minutes=2)])
+    # A start past the window's span whose request arrived 5 s after it (a late start): the
+    # window still holds it, and the overview counts it as admission does.
+    log_starts("late", [now - timedelta(seconds=12), now - timedelta(seconds=3)])
+    KeyState.objects.filter(key="late").update(
+        late_starts=late_text([LateStart(now - timedelta(seconds=12), timedelta(seconds=5), 1)])
+    )
     shop = [make_call(keys=["shop"]) for _ in range(3)]
     assert len(claim(shop[0].key_set, 2).calls) == 2
     for key in ("api", "full"):
@@ -146,7 +154,8 @@ def test_the_overview_reads_the_same_use_and_room_as_a_keys_status(make_call):
     edit.pause_key("api", timedelta(minutes=3))
     now = db_now()
     rows = {row.key: row.status for row in overview.key_rows(now)}
-    for status in live.key_statuses(["api", "shop", "full"], now=now):
+    assert [p.used for p in rows["late"].policies] == [2]
+    for status in live.key_statuses(["api", "shop", "full", "late"], now=now):
         seen = rows[status.key]
         assert [(p.policy, p.used, p.room, p.reserved) for p in seen.policies] == [
             (p.policy, p.used, p.room, p.reserved) for p in status.policies
@@ -155,6 +164,7 @@ def test_the_overview_reads_the_same_use_and_room_as_a_keys_status(make_call):
             status.waiting, status.due, status.paused_until, status.blocked, status.drain_time
         ), status.key
     assert rows["full"].blocked_reason == "2 per 1h used" and rows["api"].blocked_reason == "paused"
+    assert rows["late"].blocked_reason == "2 per 10s used"
 
 
 def test_the_overview_counts_the_failures_of_the_hour_as_dispatcher_status_does(make_call):
