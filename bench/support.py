@@ -9,10 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-TABLES = (
-    "dispatcher_attempt, dispatcher_call, dispatcher_keystate, dispatcher_keystart, dispatcher_ratelimit,"
-    " dispatcher_keybucket"
-)
+
+def tables() -> str:
+    """Every table of the dispatcher's models, comma-separated: what one benchmark leaves (calls,
+    policies, key states, and what processes learnt from an API's answers) must not reach the next."""
+    from django.apps import apps
+
+    return ", ".join(sorted(model._meta.db_table for model in apps.get_app_config("dispatcher").get_models()))
 
 
 @dataclass
@@ -69,7 +72,7 @@ def reset_tables() -> None:
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute(f"TRUNCATE {TABLES} RESTART IDENTITY")
+        cursor.execute(f"TRUNCATE {tables()} RESTART IDENTITY")
 
 
 def backlog(n: int, *, method: str = "bench.noop", keys: list[str] | None = None, chunk: int = 5000) -> None:
