@@ -130,7 +130,9 @@ SPIN = 0.002
 
 # How much more than its lateness when the move is made a late request moves its buckets on:
 # the move's way back and the write after it. A request that comes later than that moves them on
-# again, at most MOVES times in all (then it is not sent).
+# again, at most MOVES times in all (then it is not sent), each time padded by as long as the move
+# before took as well: on a loaded machine, or SQLite's, a move's own write can take longer than
+# 2 ms every time, and three moves padded by 2 ms each left a burst's request unsent.
 MOVE_PAD = timedelta(milliseconds=2)
 MOVES = 3
 # How long a request's answer waits, at most, for the bucket move its request handed over.
@@ -302,11 +304,12 @@ def release(held: Held) -> dict[str, timedelta]:
         raise SendMissed(f"{elapsed.total_seconds() * 1000:.0f} ms after its start")
     allowed = min(held.allowed[key] for key in keys)
     states = {key: held.buckets.get(key, []) for key in keys}
-    by = timedelta(0)
+    by, pad = timedelta(0), MOVE_PAD
     for _ in range(MOVES):
-        # Each move as far as the request is late when it is made (never back).
+        # Each move as far as the request is late when it is made (never back), and its pad.
+        began = time.monotonic()
         try:
-            stands = held.move_on(states, held.start, held.clock + allowed, MOVE_PAD)
+            stands = held.move_on(states, held.start, held.clock + allowed, pad)
         except DatabaseError as exc:
             raise SendMissed(f"its buckets could not be moved on: {exc!r}") from None
         if stands is None:
@@ -314,6 +317,7 @@ def release(held: Held) -> dict[str, timedelta]:
         by = stands
         if timedelta(seconds=time.monotonic() - held.after) <= allowed + by:
             return dict.fromkeys(keys, by)
+        pad = min(max(pad, timedelta(seconds=time.monotonic() - began) + MOVE_PAD), GUARD_MAX)
     raise SendMissed(f"later than its buckets were moved on for, {MOVES} times ({by.total_seconds() * 1000:.1f} ms)")
 
 

@@ -146,7 +146,15 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     measured("paced", 80 * MS)
     tat = owing("paced")
     call = CallQueue.objects.send(method, {}, keys=["paced"])
-    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    pads: list[timedelta] = []
+    real_move = ledger.move_on
+
+    def noted_move(moved, start, deadline, pad, using=None):
+        pads.append(pad)
+        return real_move(moved, start, deadline, pad, using=using)
+
+    with mock.patch.object(ledger, "move_on", noted_move):
+        assert run_all(claim_all(call.key_set).calls) == ["done"]
     sent = sent_after_judged(call)
     assert sent >= 80 * MS
     # Charged one interval, 200 ms lengthened by the guard (6 ms), from its send moment: the
@@ -157,10 +165,11 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     charged = bucket_state("paced") - max(tat, judged + 80 * MS)
     if charged != 206 * MS:
         # Sent later than its moment allows (a loaded machine): the bucket moved on by that
-        # lateness and the pad before the request went (``arrivals.release``), never by more
-        # (the handler reads its clock after the move).
+        # lateness and the pad before the request went (``arrivals.release``: MOVE_PAD, or for a
+        # move made again as long as the move before took too), never by more (the handler
+        # reads its clock after the move).
         assert sent - 80 * MS > SEND_SLACK
-        assert 206 * MS < charged <= 206 * MS + (sent - 80 * MS) + arrivals.MOVE_PAD
+        assert 206 * MS < charged <= 206 * MS + (sent - 80 * MS) + max(pads, default=arrivals.MOVE_PAD)
     assert call.started_at >= judged
 
 
@@ -417,6 +426,29 @@ def test_a_late_request_whose_move_comes_back_late_moves_again_before_it_goes():
     total = bucket_state("paced") - (max(tat, judged + 80 * MS) + 206 * MS)
     assert total == moves[1] > moves[0]
     assert total >= datetime.fromisoformat(call.result["at"]) - max(tat, judged + 80 * MS) - SEND_SLACK
+
+
+def test_a_request_whose_every_move_comes_back_later_than_its_pad_still_goes():
+    """Every move's answer comes back 10 ms late, five times its 2 ms pad (a loaded machine's, or
+    SQLite's, write): the second move is padded by as long as the first took, and the request
+    goes (with every move padded by 2 ms alone it moved three times and was not sent)."""
+    edit.set_policy("paced", 5, timedelta(seconds=1), burst=1)
+    measured("paced", 80 * MS)
+    owing("paced")
+    call = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
+    (claimed,) = claim_all(call.key_set).calls
+    pads: list[timedelta] = []
+    real_move = ledger.move_on
+
+    def slow_moves(moved, start, deadline, pad, using=None):
+        by = real_move(moved, start, deadline, pad, using=using)
+        pads.append(pad)
+        time.sleep(0.01)
+        return by
+
+    with mock.patch.object(ledger, "move_on", slow_moves):
+        assert execute(claimed.id, claimed.dispatch_no) == "done"
+    assert len(pads) == 2 and pads[0] == arrivals.MOVE_PAD and pads[1] >= 10 * MS + arrivals.MOVE_PAD
 
 
 def test_a_process_reads_the_database_clock_from_its_best_recent_start():
