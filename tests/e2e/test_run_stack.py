@@ -1,6 +1,7 @@
 """`make run`: gunicorn on the port of PORT, and Ctrl-C stops the whole stack cleanly."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,6 +28,19 @@ def answers(url: str) -> bool:
         return False
 
 
+def children(pid: int) -> list[int]:
+    """The pids of a process's children, read from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    # pid (comm) state ppid ...: comm may hold spaces, so split after its ")".
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+    return found
+
+
 @pytest.mark.embedded
 @pytest.mark.slow
 def test_make_run_serves_on_port_and_stops_cleanly_on_ctrl_c(tmp_path):
@@ -44,9 +58,16 @@ def test_make_run_serves_on_port_and_stops_cleanly_on_ctrl_c(tmp_path):
         up = wait_until(lambda: "ready." in log.read_text() and "dispenser running" in log.read_text(), 60, 0.5)
         assert served and up, log.read_text()[-4000:]
         stack.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
-        rc = stack.wait(timeout=60)
+        try:
+            rc = stack.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the stack did not stop within 60 s of Ctrl-C:\n" + log.read_text()[-6000:])
     finally:
         if stack.poll() is None:
+            # Its processes run in sessions of their own: stop them too, not only the stack.
+            for pid in children(stack.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
             os.killpg(stack.pid, signal.SIGKILL)
             stack.wait(timeout=10)
     text = log.read_text()
