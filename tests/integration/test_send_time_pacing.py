@@ -5,8 +5,10 @@ network and how late after that moment a request may go out; a request later tha
 its buckets on before it goes, or, once a later start was charged on them, is not sent."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from unittest import mock
 
@@ -139,6 +141,23 @@ def test_the_guards_and_holds_a_start_applies():
 # --- held requests, through a worker's start and run ---------------------------------------------
 
 
+@contextlib.contextmanager
+def moves_noted(late: Callable[[int], float] = lambda n: 0.0) -> Iterator[list[tuple[timedelta, timedelta | None]]]:
+    """Note each bucket move a request makes (``ledger.move_on``): its pad and how far past its
+    start's state it left the buckets; the n-th move's answer comes back ``late(n)`` s late."""
+    noted: list[tuple[timedelta, timedelta | None]] = []
+    real_move = ledger.move_on
+
+    def move(moved, start, deadline, pad, using=None):
+        by = real_move(moved, start, deadline, pad, using=using)
+        noted.append((pad, by))
+        time.sleep(late(len(noted)))
+        return by
+
+    with mock.patch.object(ledger, "move_on", move):
+        yield noted
+
+
 @pytest.mark.parametrize("method", ["db_clock", "marked_clock"])
 def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(method):
     """Held before the handler (a handler that marks no send), or where it marks its send."""
@@ -146,14 +165,7 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
     measured("paced", 80 * MS)
     tat = owing("paced")
     call = CallQueue.objects.send(method, {}, keys=["paced"])
-    pads: list[timedelta] = []
-    real_move = ledger.move_on
-
-    def noted_move(moved, start, deadline, pad, using=None):
-        pads.append(pad)
-        return real_move(moved, start, deadline, pad, using=using)
-
-    with mock.patch.object(ledger, "move_on", noted_move):
+    with moves_noted() as moves:
         assert run_all(claim_all(call.key_set).calls) == ["done"]
     sent = sent_after_judged(call)
     assert sent >= 80 * MS
@@ -169,7 +181,7 @@ def test_a_held_request_goes_out_no_sooner_than_its_bucket_was_charged_for(metho
         # move made again as long as the move before took too), never by more (the handler
         # reads its clock after the move).
         assert sent - 80 * MS > SEND_SLACK
-        assert 206 * MS < charged <= 206 * MS + (sent - 80 * MS) + max(pads, default=arrivals.MOVE_PAD)
+        assert 206 * MS < charged <= 206 * MS + (sent - 80 * MS) + max((pad for pad, _ in moves), default=arrivals.MOVE_PAD)
     assert call.started_at >= judged
 
 
@@ -406,18 +418,10 @@ def test_a_late_request_whose_move_comes_back_late_moves_again_before_it_goes():
     tat = owing("paced")
     call = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
     (claimed,) = claim_all(call.key_set).calls
-    moves: list[timedelta] = []
-    real_move = ledger.move_on
-
-    def slow_first_move(moved, start, deadline, pad, using=None):
-        by = real_move(moved, start, deadline, pad, using=using)
-        moves.append(by)
-        if len(moves) == 1:
-            time.sleep(0.01)  # the first move's answer comes back 10 ms late: beyond its pad
-        return by
-
-    with mock.patch.object(ledger, "move_on", slow_first_move):
+    # The first move's answer comes back 10 ms late: beyond its pad.
+    with moves_noted(lambda n: 0.01 if n == 1 else 0.0) as noted:
         assert execute(claimed.id, claimed.dispatch_no) == "done"
+    moves = [by for _, by in noted]
     assert len(moves) == 2 and all(by is not None for by in moves)
     call.refresh_from_db()
     judged = datetime.fromisoformat(call.result["judged"])
@@ -437,17 +441,9 @@ def test_a_request_whose_every_move_comes_back_later_than_its_pad_still_goes():
     owing("paced")
     call = CallQueue.objects.send("marked_clock", {"work": 0.15}, keys=["paced"])
     (claimed,) = claim_all(call.key_set).calls
-    pads: list[timedelta] = []
-    real_move = ledger.move_on
-
-    def slow_moves(moved, start, deadline, pad, using=None):
-        by = real_move(moved, start, deadline, pad, using=using)
-        pads.append(pad)
-        time.sleep(0.01)
-        return by
-
-    with mock.patch.object(ledger, "move_on", slow_moves):
+    with moves_noted(lambda n: 0.01) as noted:
         assert execute(claimed.id, claimed.dispatch_no) == "done"
+    pads = [pad for pad, _ in noted]
     assert len(pads) == 2 and pads[0] == arrivals.MOVE_PAD and pads[1] >= 10 * MS + arrivals.MOVE_PAD
 
 
