@@ -164,12 +164,14 @@ def _pump(name: str, proc: subprocess.Popen, out: IO[str]) -> None:
 
 
 def install_stop_signals() -> Callable[[], None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt (as Ctrl-C is); return an undo function."""
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt, and Ctrl-C's SIGINT too: Python leaves a
+    SIGINT its parent ignored ignored (a script's background job: ``make run &`` in a script, or
+    a test suite run so), and Ctrl-C then stopped nothing. Return an undo function."""
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
     def restore() -> None:
         for sig, handler in previous.items():
