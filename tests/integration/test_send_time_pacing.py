@@ -399,8 +399,12 @@ def test_an_answer_later_than_the_keys_round_trips_moves_its_bucket_on(fake_api)
     before = bucket_state("answers")
     call = run_http(f"{fake_api.url}/ok", "answers")
     # Answered on time: charged one interval (206 ms) from its moment, and no more than a loaded
-    # machine's spread of round trips beyond its guard (a CI run saw 0.2 ms more).
-    assert bucket_state("answers") - max(before, call.started_at) <= 206 * MS + 10 * MS
+    # machine's spread of round trips beyond its guard (a CI run saw 0.2 ms more). On a loaded
+    # machine this answer itself may come later than the least before it (a CI run: 14 ms more);
+    # the bucket then moves on by that much, and no more.
+    *earlier, took = arrivals._round_trips["answers"]
+    late = timedelta(seconds=max(0.0, took - min(earlier)))
+    assert bucket_state("answers") - max(before, call.started_at) <= 206 * MS + 10 * MS + late
     before = bucket_state("answers")
     judged_moment = max(before, db_now())
     run_http(f"{fake_api.url}/slow?delay=0.05", "answers")
