@@ -42,6 +42,11 @@ SHAPE_LABELS = {
     "units": "unit budget 30 per 2 s, costs 1-3",
 }
 
+# What each shape must use of its allowance (97% unless named): a smooth rate 95%, as issue 28
+# asks of smooth rates behind nginx. Its held guard costs it 2% by design (HELD_RATE_SHARE), so
+# that with late requests' moves it loses under 5% (docs/policies.md, send-time pacing).
+SHAPE_TARGETS = {"smooth": 0.95}
+
 
 def _http_env() -> dict[str, str]:
     from bench.figures import _http_env as env
@@ -119,12 +124,13 @@ def paced_at_the_api(ctx: Any) -> list[Figure]:
             ))
     shapes = _shapes_run(ctx, {}) if "shapes" in chosen else {}
     for name, f in shapes.items():
+        target = SHAPE_TARGETS.get(name, 0.97)
         rows.append(Figure(
             f"paced: {SHAPE_LABELS[name]} (3 dispensers, 2 late workers, busy machine)",
             f"{f['used']:.1%} used, {f['refused']} 429s",
-            ">= 97%, 0 429s",
+            f">= {target:.0%}, 0 429s",
             f"load {load_before:.1f}; start->arrival p50 {f['p50_ms']:.0f} ms",
-            f["used"] >= 0.97 and f["refused"] == 0,
+            f["used"] >= target and f["refused"] == 0,
             {**f, "load_before": load_before},
         ))
     return rows
