@@ -463,7 +463,7 @@ def _forget_send(run: Any) -> None:
     worker's run next (a plain task calling ``http``) then holds, moves and tells nothing."""
     run.sent = run.invoked = run.natural = run.hold_until = run.held = run.held_latest = run.held_moved = None
     run.ahead = run.pushing = None
-    run.counted_again = run.opened = False
+    run.counted_again = run.kept_late = run.opened = False
 
 
 def mark_invoked(fn: Callable[..., Any] | None = None) -> None:

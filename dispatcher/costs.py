@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from dispatcher.exceptions import InvalidCost
 from dispatcher.running import here
@@ -78,8 +78,17 @@ def bounded_charge(delta: int, capacity: int) -> int:
     return delta if delta <= 0 else min(delta, max(capacity, 1))
 
 
-def take_reported() -> Any:
-    """Return the cost the handler reported for the call that just ran (None if none), and forget it."""
+class Reported(NamedTuple):
+    """The cost a handler reported, and whether its request went out later than its start was
+    counted under (its windows count it from its send too: ``finish.correct_cost``)."""
+
+    units: int | Mapping[str, int]
+    late: bool
+
+
+def take_reported() -> Reported | None:
+    """Return the cost the handler reported for the call that just ran (None if none), and forget
+    it; before its send is forgotten (``arrivals.sent_after``), which says whether it was late."""
     run = here()
     value, run.reported = run.reported, None
-    return value
+    return None if value is None else Reported(value, run.counted_again or run.kept_late)

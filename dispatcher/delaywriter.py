@@ -126,6 +126,7 @@ def keep_late(noted: Noted, clock_read: float, *, db: str) -> None:
     if not keys:
         return
     spans = {key: noted.spans[key] for key in keys}
+    run.kept_late = True
     kept = _executor().submit(_keep_late, spans, run.call.id, elapsed, elapsed + floor, noted, db)
     if min(noted.windows[key] for key in keys) - elapsed < WAIT_WITHIN:
         _wait(kept)

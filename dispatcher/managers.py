@@ -149,9 +149,10 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         """Record a held request that was not sent: the call waits again, the attempt refunded."""
         return finish.finish_missed(self, call, attempt, error)
 
-    def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
-        """Correct the keys' usage to what a started call really cost; return the change per key."""
-        return finish.correct_cost(self, call, reported)
+    def correct_cost(self, call: CallQueue, reported: int | Mapping[str, int], *, late: bool = False) -> dict[str, int]:
+        """Correct the keys' usage to what a started call really cost; return the change per key
+        (``late``: its request went out later than its start was counted under)."""
+        return finish.correct_cost(self, call, reported, late=late)
 
     def rescue(self, batch: int | None = None) -> RescueReport:
         """Return calls stuck in dispatched or running past their timeout to waiting."""

@@ -55,6 +55,8 @@ class Run:
     # Whether its start was logged again in its windows as its request went out, later than any
     # guard (``delaywriter.count_again``).
     counted_again: bool = False
+    # Whether it was kept as a late start on its window keys (``delaywriter.keep_late``).
+    kept_late: bool = False
     # Whether its request opened its process's first connection to its host
     # (``arrivals.opening``): a delay that is its connection's, not its key's (``arrivals.Sent``).
     opened: bool = False

@@ -152,11 +152,11 @@ def execute(call_id: int, dispatch_no: int) -> str:
     try:
         return _run(call, attempt, started.capped)
     finally:
+        reported = take_reported()
         _remember_delay(call.id, clock_read, noted)
         _mark_answered(call.keys)
-        reported = take_reported()
         if reported is not None:
-            deltas = _record(CallQueue.objects.correct_cost, call, reported)
+            deltas = _record(CallQueue.objects.correct_cost, call, reported.units, late=reported.late)
             log.info("run_cost_corrected call=%s change=%s", call.id, deltas)
 
 
@@ -456,7 +456,7 @@ def _record_ran(ran: list[tuple[Run, Ran]], outcomes: dict[str, int]) -> None:
                 state = _record_outcome(run.call, run.attempt, run.capped, outcome)
                 outcomes[state] = outcomes.get(state, 0) + 1
             if reported is not None:
-                deltas = _record(CallQueue.objects.correct_cost, run.call, reported)
+                deltas = _record(CallQueue.objects.correct_cost, run.call, reported.units, late=reported.late)
                 log.info("run_cost_corrected call=%s change=%s", run.call.id, deltas)
         except Exception:
             log.exception("run_calls_failed call=%s", run.call.id)

@@ -17,7 +17,7 @@ from dispatcher.costs import bounded_charge
 from dispatcher.keys import parse_key_set
 from dispatcher.limits import catalog, ledger, locks
 from dispatcher.limits.guard import GUARD_MAX
-from dispatcher.limits.shapes import TokenBucket
+from dispatcher.limits.shapes import SlidingWindow, TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
@@ -199,11 +199,20 @@ def finish_missed(manager: CallQueueManager, call: CallQueue, attempt: Attempt, 
     )
 
 
-def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Mapping[str, int]) -> dict[str, int]:
+def correct_cost(
+    manager: CallQueueManager, call: CallQueue, reported: int | Mapping[str, int], *, late: bool = False
+) -> dict[str, int]:
     """Correct the keys' usage to what a started call really cost; return the change per key.
 
     The call's rows in the start log take the reported units (and every later running
     total of the key moves with them); its buckets are charged or refunded the difference.
+
+    ``late``: its request went out later than its start was counted under, and its windows
+    count it from its send too, with the units known then (logged again or kept as a late
+    start, ``delaywriter``). A cost found higher is then logged again too, its extra units from
+    now: a window judged after the correction counts them until a period after now, past the
+    period after its arrival that the API counts them for. A cost found lower leaves what was
+    counted from the send as it is (it only holds calls back).
     """
     keys = parse_key_set(call.key_set)
     if isinstance(reported, Mapping):
@@ -242,6 +251,12 @@ def correct_cost(manager: CallQueueManager, call: CallQueue, reported: int | Map
                 tat = policy.refund(from_us(bucket.tat_us), now, -bounded_charge(delta, policy.capacity()), later or ())
                 if tat is not None:
                     buckets.filter(id=bucket.id).update(tat_us=to_us(tat))
+        windows = {
+            key: delta for key, delta in deltas.items()
+            if delta > 0 and any(isinstance(p, SlidingWindow) for p in policies.for_key(key))
+        }
+        if late and windows:
+            ledger.log_now(windows, using=manager.db)
         if any(delta < 0 for delta in deltas.values()):
             locks.wake_dispensers(using=manager.db)
     return deltas

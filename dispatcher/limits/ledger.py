@@ -196,18 +196,27 @@ def count_again(keys: Sequence[str], call_id: int, using: str | None = None) -> 
     db = alias(using)
     with transaction.atomic(using=db):
         states = lock_keys(list(keys), using=db)
-        now = db_now(db)
         logged = dict(
             tables.StartLog.objects.using(db).filter(call_id=call_id, key__in=list(keys)).values_list("key", "units")
         )
-        rows = []
-        for key in sorted(states):
-            units, total = logged.get(key, 1), states[key].total or 0
-            latest = tables.StartLog.objects.using(db).filter(key=key).order_by("-cum", "-id").values_list("started_at", flat=True).first()
-            at = max(now, latest) if latest is not None else now
-            rows.append(tables.StartLog(key=key, started_at=at, units=units, cum=total + units, call_id=None))
-            tables.KeyState.objects.using(db).filter(key=key).update(total=total + units)
-        tables.StartLog.objects.using(db).bulk_create(rows)
+        return log_now({key: logged.get(key, 1) for key in states}, using=db)
+
+
+def log_now(units: Mapping[str, int], using: str | None = None) -> dict[str, int]:
+    """Log ``units`` per key in the keys' window logs, now (at the database clock, after every
+    start logged, each running total the key's next), with no call of their own: what a start
+    counts again from later than it was judged. Under the key locks; return what was logged."""
+    db = alias(using)
+    now = db_now(db)
+    totals = dict(tables.KeyState.objects.using(db).filter(key__in=list(units)).values_list("key", "total"))
+    rows = []
+    for key in sorted(units):
+        total = totals.get(key) or 0
+        latest = tables.StartLog.objects.using(db).filter(key=key).order_by("-cum", "-id").values_list("started_at", flat=True).first()
+        at = max(now, latest) if latest is not None else now
+        rows.append(tables.StartLog(key=key, started_at=at, units=units[key], cum=total + units[key], call_id=None))
+        tables.KeyState.objects.using(db).filter(key=key).update(total=total + units[key])
+    tables.StartLog.objects.using(db).bulk_create(rows)
     return {row.key: row.units for row in rows}
 
 

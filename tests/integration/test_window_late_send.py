@@ -211,6 +211,69 @@ def test_a_start_logged_again_counts_its_units_from_now_and_keeps_the_logs_total
     assert len(claim_all(more[0].key_set).calls) == 13
 
 
+@pytest.mark.parametrize("alone", [True, False], ids=["one-per-message", "in-a-message-of-several"])
+def test_a_late_request_that_cost_more_than_declared_is_counted_from_its_send_at_its_real_cost(alone):
+    """A window of 5 units a second. A call declared at 1 unit works 900 ms before its request
+    goes out (past any guard: its start is logged again as it goes out, with the 1 unit known
+    then) and its answer says it cost 3. Half a second after its start's second has passed, the
+    API still counts its 3 units (they arrived 900 ms after the start): 2 more fit, not 4.
+    Before, the correction reached the start's own row alone, gone by then, and the row logged
+    again kept 1 unit."""
+    from dispatcher.models import StartLog
+
+    edit.set_policy("win", 5, SECOND)
+    late = CallQueue.objects.send("marked_clock", {"work": 0.9, "answer": 0.2, "reports": 3}, keys=["win"])
+    claimed = claim_all(late.key_set).calls
+    if alone:
+        assert run_all(claimed) == ["done"]
+    else:
+        assert execute_many([(c.id, c.dispatch_no) for c in claimed]) == {"done": 1}
+    late.refresh_from_db()
+    sent = sent_at([late])[0]
+    assert sent - late.started_at >= 900 * MS
+    # The start's own row has left the window (under any guard, 250 ms at most); the send's
+    # second is still on at the API.
+    while db_now() < late.started_at + SECOND + 400 * MS:
+        time.sleep(0.01)
+    more = [CallQueue.objects.send("marked_clock", {}, keys=["win"]) for _ in range(5)]
+    fitted = claim_all(more[0].key_set).calls
+    assert db_now() < sent + SECOND, "judged after the send's second ended: too late to tell"
+    assert len(fitted) == 2, StartLog.objects.filter(key="win").values_list("started_at", "units", "call_id")
+
+
+def test_a_late_start_kept_for_its_opening_counts_a_higher_cost_from_the_correction():
+    """A request late for opening its connection is kept as a late start with the units known
+    then (1); its answer says it cost 3. The 2 more are logged from the correction, after its
+    arrival: a window judged until a period after its arrival counts all 3 (the kept late start
+    and the 2), as the API does."""
+    from dispatcher.limits.guard import late_starts
+    from dispatcher.models import StartLog
+
+    edit.set_policy("win", 5, SECOND)
+    late = CallQueue.objects.send("marked_clock", {"work": 0.15, "opens": True, "answer": 0.3, "reports": 3}, keys=["win"])
+    assert run_all(claim_all(late.key_set).calls) == ["done"]
+    late.refresh_from_db()
+    sent = sent_at([late])[0]
+    (kept,) = late_starts(KeyState.objects.get(key="win"))
+    assert (kept.at, kept.units) == (late.started_at, 1)
+    again = list(StartLog.objects.filter(key="win", call_id=None).values_list("started_at", "units"))
+    assert [units for _, units in again] == [2]
+    assert again[0][0] > sent
+    assert StartLog.objects.get(key="win", call_id=late.id).units == 3
+    assert KeyState.objects.get(key="win").total == 5
+
+
+def test_a_quick_call_that_cost_more_is_corrected_in_its_own_start_alone():
+    """On time, the correction moves the start's own row; nothing is logged again."""
+    from dispatcher.models import StartLog
+
+    edit.set_policy("win", 5, SECOND)
+    call = CallQueue.objects.send("marked_clock", {"reports": 3}, keys=["win"])
+    assert run_all(claim_all(call.key_set).calls) == ["done"]
+    assert list(StartLog.objects.filter(key="win").values_list("units", "call_id")) == [(3, call.id)]
+    assert KeyState.objects.get(key="win").total == 3
+
+
 def test_a_request_late_for_opening_its_connection_is_kept_as_a_late_start_not_remembered():
     """A window of 5 per second. The first call's request opens its process's first connection
     to the API, which takes 150 ms (a TLS handshake, a new process's first request): a delay the

@@ -53,15 +53,20 @@ def db_clock(**params: Any) -> dict[str, str]:
 @handler("marked_clock")
 @marks_sent
 def marked_clock(
-    work: float = 0.0, answer: float = 0.0, atomic: bool = False, opens: bool = False, **params: Any
+    work: float = 0.0, answer: float = 0.0, atomic: bool = False, opens: bool = False, reports: int | None = None,
+    **params: Any,
 ) -> dict[str, str]:
     """Work ``work`` seconds, mark the send and return the database clock then, and its start's,
     once the answer came ``answer`` seconds later (a slow API); ``atomic``: all of it inside a
     transaction of the handler's own; ``opens``: the work is opening the process's first
-    connection to the API (as the http handler's client says it)."""
+    connection to the API (as the http handler's client says it); ``reports``: the answer says
+    the call cost that many units (``report_cost``)."""
     import time
 
     from django.db import transaction
+
+    if reports is not None:
+        report_cost(reports)
 
     with transaction.atomic() if atomic else contextlib.nullcontext():
         if opens:
