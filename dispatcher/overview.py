@@ -20,10 +20,9 @@ from django.db.models.functions import TruncMinute
 
 from dispatcher import liveness
 from dispatcher import status as live
-from dispatcher.clock import from_us
 from dispatcher.keys import is_pattern, parse_key_set
 from dispatcher.limits import catalog, gate
-from dispatcher.limits.guard import late_in_window, late_starts
+from dispatcher.limits.guard import late_starts
 from dispatcher.limits.shapes import Reading, SlidingWindow
 from dispatcher.models import Attempt, CallQueue, KeyBucket, KeyState, RateLimit, StartLog
 from dispatcher.states import AttemptOutcome, CallStatus
@@ -222,8 +221,8 @@ def _readings(governed: dict[str, list[Any]], states: dict[str, Any], now: datet
     """What storage says about every policy of every key at ``now``, in two statements on PostgreSQL
     (a window's total before its first start, ``limit_sql.window_bases``; the buckets' states).
 
-    No window reading here knows when its units leave (``leaves_at``): nothing on the overview asks.
-    A window counts its key's late starts past its span as admission does (``gate._reading``).
+    Each reading is admission's own (``gate.reading``): a window counts its key's late starts past
+    its span as a start does; when its units leave is read only if asked, which the overview never does.
     """
     db = StartLog.objects.db
     if not schema.postgresql_path(db):
@@ -239,15 +238,13 @@ def _readings(governed: dict[str, list[Any]], states: dict[str, Any], now: datet
     readings: dict[str, list[Reading]] = {}
     for key, found in governed.items():
         total, late = getattr(states.get(key), "total", 0) or 0, late_starts(states.get(key))
-        readings[key] = []
-        for p in found:
-            if isinstance(p, SlidingWindow):
-                base = bases.get((key, p))
-                counted = sum(s.units for s in late_in_window(late, now, p.period, p.span)) if late else 0
-                readings[key].append(Reading(used=total - (total if base is None else base) + counted))
-            else:
-                tat = buckets.get((key, p.period))
-                readings[key].append(Reading(tat=from_us(tat) if tat is not None else None))
+        readings[key] = [
+            gate.reading(
+                key, p, bases.get((key, p)) if isinstance(p, SlidingWindow) else buckets.get((key, p.period)),
+                total, db, late, now,
+            )
+            for p in found
+        ]
     return readings
 
 

@@ -187,7 +187,7 @@ def _from_probes(
     for key, policies in governed.items():
         state = states.get(key)
         total, late = getattr(state, "total", 0) or 0, late_starts(state)
-        readings[key] = [_reading(key, policy, next(row), total, db, late, now) for policy in policies]
+        readings[key] = [reading(key, policy, next(row), total, db, late, now) for policy in policies]
     running = {key: next(row) for key, policies in governed.items() if any(p.concurrency for p in policies)}
     return readings, running
 
@@ -206,9 +206,13 @@ def running_by_key(keys: Iterable[str] | None = None, using: str | None = None) 
     return counts
 
 
-def _reading(
+def reading(
     key: str, policy: PolicyShape, value: int | None, total: int, db: str, late: Sequence[LateStart], now: datetime
 ) -> Reading:
+    """A policy's reading from what storage holds: a bucket's state (``value``, its TAT in us), or
+    a window's running total before its span (``value``; None: no start in it) against the key's
+    ``total``, with the key's ``late`` starts its span no longer counts from the log. Which unit
+    leaves next is read only when asked (``leaves_at``)."""
     if isinstance(policy, TokenBucket):
         return Reading(tat=from_us(value) if value is not None else None)
     base = total if value is None else value
