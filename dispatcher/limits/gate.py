@@ -221,9 +221,10 @@ def reading(
     if not counted:
         return Reading(used=total - base, leaves_at=logged)
     # A late start leaves the window a period after its arrival: as a start of the log would
-    # that started ``reach`` less the window's guard after it.
-    leaving = sorted(s.arrives_by() - policy.guard for s in counted for _ in range(s.units))
-    return Reading(used=total - base + len(leaving), leaves_at=functools.partial(merged_leaves_at, leaving, logged))
+    # that started ``reach`` less the window's guard after it (all its units together).
+    leaving = sorted((s.arrives_by() - policy.guard, s.units) for s in counted)
+    used = total - base + sum(units for _, units in leaving)
+    return Reading(used=used, leaves_at=functools.partial(merged_leaves_at, leaving, logged))
 
 
 def _unit_leaves_at(db: str, key: str, base: int, n: int) -> datetime | None:

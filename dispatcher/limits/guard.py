@@ -164,14 +164,28 @@ def late_in_window(starts: Sequence[LateStart], now: datetime, period: timedelta
     return [s for s in starts if s.at < now - span and s.arrives_by() + period >= now]
 
 
-def merged_leaves_at(late: list[datetime], logged: Callable[[int], datetime | None], n: int) -> datetime | None:
-    """Return when the n-th unit of a window leaves it, of its late starts' units (their leaving,
-    as a start of the log's, in order) and its log's: the least, over how many of the late ones
-    come first, of the later of the last late one and the log's unit that makes n."""
+def merged_leaves_at(
+    late: Sequence[tuple[datetime, int]], logged: Callable[[int], datetime | None], n: int
+) -> datetime | None:
+    """Return when the n-th unit of a window leaves it, of its late starts' units (``late``: when
+    each late start's units leave, as a start of the log's, and how many, in order) and its
+    log's: the least, over how many of the late units come first, of the later of the last late
+    one and the log's unit that makes n.
+
+    Only the late starts' ends are tried: within one late start its units leave together, and
+    taking more of them leaves fewer of the log's to wait for. So a late start of thousands of
+    units (a token budget) costs one probe of the log (``logged``), not one per unit."""
     found: list[datetime] = []
-    for first in range(min(len(late), n) + 1):
+    tries: list[tuple[int, datetime | None]] = [(0, None)]
+    first = 0
+    for moment, units in late:
+        if first >= n:
+            break
+        first = min(first + units, n)
+        tries.append((first, moment))
+    for first, last in tries:
         rest = logged(n - first) if n > first else None
         if n > first and rest is None:
             continue  # the log has fewer units than that
-        found.append(max(moment for moment in (late[first - 1] if first else None, rest) if moment is not None))
+        found.append(max(moment for moment in (last, rest) if moment is not None))
     return min(found, default=None)
