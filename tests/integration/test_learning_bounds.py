@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import httpx
 import pytest
@@ -130,3 +130,46 @@ def test_any_sequence_of_announced_policies_leaves_at_most_the_bound(answers):
         field = ", ".join(f'"p{i}";q={q};w={w:.6f}' for i, (q, w) in enumerate(members))
         teach(httpx.Headers({"RateLimit-Policy": field}), ["prop"])
         assert LearntLimit.objects.filter(key="prop").count() <= BOUND
+
+
+def _busy_hour(starts: int, refused_at: set[int]) -> tuple[list[datetime], datetime]:
+    """``starts`` starts of key "hot" over the last hour, each with its attempt (those numbered in
+    ``refused_at`` refused with a 429); return the first start and the moment just after the last."""
+    from dispatcher.clock import db_now
+    from dispatcher.models import Attempt, KeyState, StartLog
+    from dispatcher.states import AttemptOutcome
+
+    now = db_now()
+    step = timedelta(hours=1) / (starts + 1)
+    calls = CallQueue.objects.bulk_create([CallQueue(method="http", params={}, key_set='["hot"]', status="done") for _ in range(starts)])
+    moments = [now - timedelta(hours=1) + (i + 1) * step for i in range(starts)]
+    StartLog.objects.bulk_create(
+        [StartLog(key="hot", started_at=at, units=1, cum=i + 1, call_id=c.id) for i, (c, at) in enumerate(zip(calls, moments, strict=True))]
+    )
+    Attempt.objects.bulk_create([
+        Attempt(call_id=c.id, number=1, started_at=at,
+                outcome=AttemptOutcome.RATE_LIMITED if i in refused_at else AttemptOutcome.DONE)
+        for i, (c, at) in enumerate(zip(calls, moments, strict=True))
+    ])
+    KeyState.objects.update_or_create(key="hot", defaults={"total": starts})
+    return moments, now
+
+
+@pytest.mark.parametrize("refused_at", [set(), {100, 1_500}], ids=["never-refused", "refused-twice"])
+def test_a_retry_after_lesson_on_a_busy_key_counts_its_starts_in_the_database(refused_at):
+    """A Retry-After-only 429 on a key that started 2,000 calls in the last hour: the lesson is
+    the calls admitted since the last refusal, counted by the database in the same few
+    statements whatever the number (the key's lock is held meanwhile; its starts were loaded
+    with their attempts before, 1.5 s for 100,000)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    moments, now = _busy_hour(2_000, refused_at)
+    admitted = [at for i, at in enumerate(moments) if i > max(refused_at, default=-1)]
+    with CaptureQueriesContext(connection) as statements:
+        learning._infer(("hot",), now, 10.0, "")
+    (lesson,) = LearntLimit.objects.filter(key="hot", source="retry-after")
+    assert lesson.limit == len(admitted)
+    assert lesson.period >= min(now + timedelta(seconds=10) - admitted[0], timedelta(hours=1))  # learnt windows stop at an hour
+    assert len(statements) <= 20, [q["sql"][:120] for q in statements]
+    assert max(len(q["sql"]) for q in statements) < 4_000, "a statement grew with the number of starts"
