@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, Max, Min, Q, Sum
+from django.db.models import Count, Max, Min, OuterRef, Q, Subquery, Sum
 from django.db.models.functions import TruncMinute
 
 from dispatcher.clock import db_now
@@ -412,11 +412,13 @@ def shares_of(key: str, now: datetime, window: timedelta) -> list[Share]:
         for row in CallQueue.objects.pending().carrying(key).values("key_set")
         .annotate(n=Count("id"), oldest=Min("created_at")).order_by()
     }
-    started = StartLog.objects.filter(key=key, started_at__gte=now - window, call_id__isnull=False)
-    by_call = dict(started.values_list("call_id").annotate(units=Sum("units")).order_by())
-    units: dict[str, int] = {}
-    for call_id, key_set in CallQueue.objects.filter(id__in=list(by_call)).values_list("id", "key_set"):
-        units[key_set] = units.get(key_set, 0) + by_call[call_id]
+    # Summed by key set in one statement: a key's window may hold a great many starts.
+    started = (
+        StartLog.objects.filter(key=key, started_at__gte=now - window, call_id__isnull=False)
+        .annotate(key_set=Subquery(CallQueue.objects.filter(id=OuterRef("call_id")).values("key_set")[:1]))
+        .exclude(key_set=None).values("key_set").annotate(units=Sum("units")).order_by()
+    )
+    units: dict[str, int] = {row["key_set"]: row["units"] for row in started}
     if len(set(waiting) | set(units)) < 2:
         return []
     return sorted(

@@ -253,9 +253,9 @@ def correct_cost(
                     buckets.filter(id=bucket.id).update(tat_us=to_us(tat))
         windows = {
             key: delta for key, delta in deltas.items()
-            if delta > 0 and any(isinstance(p, SlidingWindow) for p in policies.for_key(key))
+            if late and delta > 0 and any(isinstance(p, SlidingWindow) for p in policies.for_key(key))
         }
-        if late and windows:
+        if windows:
             ledger.log_now(windows, using=manager.db)
         if any(delta < 0 for delta in deltas.values()):
             locks.wake_dispensers(using=manager.db)
