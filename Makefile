@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/dispatcher
 
-.PHONY: venv test test-postgres test-sqlite lint check run demo bench clean
+.PHONY: venv test test-postgres test-prepared test-sqlite lint check run demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -14,10 +14,15 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(BIN)/pip install --quiet -r requirements-dev.txt
 	touch $@
 
-test: test-postgres test-sqlite
+test: test-postgres test-prepared test-sqlite
 
 test-postgres: venv
 	DATABASE_URL=$(TEST_DATABASE_URL) $(BIN)/pytest -m "not embedded"
+
+# The in-process tests again on connections that prepare every statement at once, as a site
+# that sets prepare_threshold does (dispatcher/store/prepared.py).
+test-prepared: venv
+	DATABASE_URL="$(TEST_DATABASE_URL)?prepare_threshold=0" $(BIN)/pytest -m "not embedded" tests/integration
 
 test-sqlite: venv
 	env -u DATABASE_URL $(BIN)/pytest -m "not postgres"

@@ -19,7 +19,7 @@ from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
 from dispatcher.limits import catalog, gate, ledger, locks
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, schema
+from dispatcher.store import call_sql, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -60,7 +60,7 @@ class BatchClaim:
 def waiting_key_sets(manager: CallQueueManager, after: str | None = None, limit: int = 10_000) -> list[str]:
     """Return the distinct key sets of waiting calls, in order, one index probe each."""
     # A loose index scan: each step asks the partial index for the next key set.
-    with connections[manager.db].cursor() as cursor:
+    with prepared.cursor(manager.db) as cursor:
         cursor.execute(call_sql.waiting_key_sets(), {"after": after if after is not None else "", "limit": limit})
         return [row[0] for row in cursor.fetchall()]
 
@@ -241,7 +241,7 @@ def _claim_rows_postgresql(manager: CallQueueManager, asks: dict[str, int], now:
         "dispatched": Status.DISPATCHED, "pending": Status.PENDING, "now": now,
         "key_sets": list(asks), "wanted": list(asks.values()),
     }
-    with connections[manager.db].cursor() as cursor:
+    with prepared.cursor(manager.db) as cursor:
         cursor.execute(call_sql.claim_due(), params)
         return [
             Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c), run_at=r)

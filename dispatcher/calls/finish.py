@@ -21,7 +21,7 @@ from dispatcher.limits.shapes import SlidingWindow, TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, schema
+from dispatcher.store import call_sql, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -90,7 +90,7 @@ def _finish_postgresql(
         *values, call.id, Status.RUNNING, call.dispatch_no, now, outcome, error, attempt_id,
         locks.WAKE_CHANNEL, wake,
     ]
-    with db.cursor() as cursor:
+    with prepared.cursor(manager.db) as cursor:
         cursor.execute(call_sql.finish(tuple(changes)), params)
         return bool(cursor.fetchone()[0])
 
@@ -127,7 +127,7 @@ def finish_done_many(manager: CallQueueManager, done: Sequence[tuple[CallQueue, 
         "wakes": [bool(wake) and bool(call.key_set) for call, _, _, wake in done],
         "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": locks.WAKE_CHANNEL,
     }
-    with db.cursor() as cursor:
+    with prepared.cursor(manager.db) as cursor:
         cursor.execute(call_sql.finish_done_many(), params)
         won = {row[0] for row in cursor.fetchall()}
     for call, attempt, _, _ in done:

@@ -20,7 +20,7 @@ from dispatcher.keys import parse_key_set
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, limit_sql, schema
+from dispatcher.store import call_sql, limit_sql, prepared, schema
 from dispatcher.store.folded import Folded, folding, start_transaction
 
 if TYPE_CHECKING:
@@ -171,7 +171,7 @@ def _heads(manager: CallQueueManager, ids: list[int]) -> dict[int, Sequence[Any]
 
     Hand-written: read at every start, where the ORM's compilation would cost more than the query.
     """
-    with connections[manager.db].cursor() as cursor:
+    with prepared.cursor(manager.db) as cursor:
         if schema.postgresql_path(manager.db):
             cursor.execute(call_sql.call_heads(), [ids])
             return {row[0]: row[1:] for row in cursor.fetchall()}
@@ -282,8 +282,11 @@ def _mark_running_postgresql(
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
     params, buckets, charged = _mark_running_params(admitted, now, worker, group.read_tats, group.states, token)
     statement = call_sql.mark_running_group()
-    with connections[manager.db].cursor() as cursor:
-        cursor.execute(folded.commit(statement) if folded else statement, params)
+    if folded is not None and not prepared.preparing(manager.db):
+        # A prepared statement goes alone: the folded start then sends its COMMIT on its own.
+        statement = folded.commit(statement)
+    with prepared.cursor(manager.db) as cursor:
+        cursor.execute(statement, params)
         rows = cursor.fetchall()
     started: dict[int, Marked] = {}
     for row in rows:

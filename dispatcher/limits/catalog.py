@@ -28,7 +28,7 @@ from dispatcher.limits.guard import (
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import SlidingWindow, TokenBucket, make_policy
-from dispatcher.store import limit_sql, schema
+from dispatcher.store import limit_sql, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -96,7 +96,7 @@ class Policies:
             # Runs at every start: the query is compiled once per process and alias (it has no
             # arguments), and PostgreSQL's rows need no conversion.
             policies_sql, params = policies_statement(db)
-            with connections[db].cursor() as cursor:
+            with prepared.cursor(db) as cursor:
                 cursor.execute(policies_sql, params)
                 rows = cursor.fetchall()
         else:

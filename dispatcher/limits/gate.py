@@ -19,7 +19,7 @@ from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
 from dispatcher.limits.shapes import Reading, SlidingWindow, TokenBucket
 from dispatcher.states import CallStatus, WaitKind
-from dispatcher.store import call_sql, limit_sql, schema
+from dispatcher.store import call_sql, limit_sql, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.models import KeyState
@@ -64,7 +64,7 @@ def policies_for_start(
     kinds, params = _probes(governed, lambda span: span, db)
     policies_sql, policy_params = policies_statement(db)
     # The start's clock: its worker measures the send against it, and holds a request from it.
-    with connections[db].cursor() as cursor, arrivals.reading_clock():
+    with prepared.cursor(db) as cursor, arrivals.reading_clock():
         cursor.execute(
             limit_sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
         )
@@ -148,7 +148,7 @@ def read_keys(
     db = alias(using)
     adapt = connections[db].ops.adapt_datetimefield_value
     kinds, params = _probes(governed, lambda span: adapt(now - span), db)
-    with connections[db].cursor() as cursor:
+    with prepared.cursor(db) as cursor:
         cursor.execute(limit_sql.policy_readings(kinds, connections[db].vendor == "postgresql"), params)
         row = iter(cursor.fetchone())
     return _from_probes(governed, states, row, db, now)

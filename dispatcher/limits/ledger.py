@@ -24,7 +24,7 @@ from dispatcher.limits.guard import (
     remember_delay,
 )
 from dispatcher.limits.locks import alias, lock_keys
-from dispatcher.store import limit_sql, schema
+from dispatcher.store import limit_sql, prepared, schema
 from dispatcher.store.folded import can_fold
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = No
     params = [value for pair in by_key.items() for value in pair]
     params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
     params += list(by_key)
-    with connections[alias(using)].cursor() as cursor:
+    with prepared.cursor(alias(using)) as cursor:
         cursor.execute(limit_sql.adjust_reserved(len(by_key)), params)
 
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from django.db import connections, router
 
 from dispatcher import tables
-from dispatcher.store import limit_sql, schema
+from dispatcher.store import limit_sql, prepared, schema
 from dispatcher.store.folded import Folded, Unfoldable
 
 if TYPE_CHECKING:
@@ -53,13 +53,15 @@ def _select_for_update(ordered: list[str], db: str, folded: Folded | None = None
         return {s.key: s for s in tables.KeyState.objects.using(db).select_for_update().filter(key__in=ordered).order_by("key")}
     # Hand-written on PostgreSQL: this runs at every claim, start and finish, and compiling
     # the ORM's locking query costs more than running it.
-    with connections[db].cursor() as cursor:
-        if folded is not None and not folded.begun:
+    if folded is not None and not folded.begun:
+        with connections[db].cursor() as cursor:
             cursor.execute(folded.begin(limit_sql.lock_key_states()), [ordered])
             cursor.nextset()  # past BEGIN's result, to the rows
-        else:
+            rows = cursor.fetchall()
+    else:
+        with prepared.cursor(db) as cursor:
             cursor.execute(limit_sql.lock_key_states(), [ordered])
-        rows = cursor.fetchall()
+            rows = cursor.fetchall()
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
     return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}
 

@@ -1,1 +1,1 @@
-"""Storage: the hand-written statements (``schema``, ``limit_sql``, ``call_sql``), a start's folded transaction (``folded``) and new calls' inserts (``inserts``)."""
+"""Storage: the hand-written statements (``schema``, ``limit_sql``, ``call_sql``), a start's folded transaction (``folded``), the hot statements prepared where the site allows it (``prepared``) and new calls' inserts (``inserts``)."""

@@ -58,6 +58,10 @@ def _idle() -> bool:
     return connection.connection.info.transaction_status.name == "IDLE"
 
 
+@pytest.mark.skipif(
+    "prepare_threshold" in connection.settings_dict.get("OPTIONS", {}),
+    reason="a prepared mark sends its COMMIT on its own (tests/integration/test_prepared.py)",
+)
 def test_a_start_is_four_round_trips_and_is_committed_when_it_returns():
     edit.set_policy("api", 100, timedelta(minutes=1))
     first, call = _claimed(2)
