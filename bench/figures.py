@@ -1,6 +1,7 @@
 """The benchmarks: each returns figures for the table and raises CheckFailed when calls go wrong."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -903,8 +904,11 @@ def _http_env() -> dict[str, str]:
     return {"DISPATCHER_HTTP_ALLOWED_HOSTS": "127.0.0.1:*"}
 
 
-def http_latency(ctx: Context) -> list[Figure]:
+def http_latency(ctx: Context, prepared: bool = False) -> list[Figure]:
     """Calls to a local API sent one by one: recorded start -> arrival, and send -> arrival.
+
+    ``prepared``: the dispenser and worker connect with ``prepare_threshold=5`` in their
+    DATABASE_URL (a site's choice, ``dispatcher.store.prepared``), everything else the same.
 
     One call in three goes to ``bench.http_timed`` (the same ``http`` handler function, wrapped to
     note when its task began and when the handler was entered), for where the time goes:
@@ -921,7 +925,10 @@ def http_latency(ctx: Context) -> list[Figure]:
     reset_tables()
     edit.set_policy("lat", 1000, timedelta(seconds=1))
     api = FakeAPI().start()
-    procs = ctx.processes(**_http_env())
+    env = _http_env()
+    if prepared:
+        env["DATABASE_URL"] = f"{os.environ['DATABASE_URL'].split('?')[0]}?prepare_threshold=5"
+    procs = ctx.processes(**env)
     sent: dict[str, float] = {}
     committed: dict[str, float] = {}
     ids: dict[str, int] = {}
@@ -995,9 +1002,10 @@ def http_latency(ctx: Context) -> list[Figure]:
     api_p50, plain_p50 = percentile(send_to_api, 50), percentile(plain_to_api, 50)
     breakdown = {name: round(percentile(values, 50), 2) for name, values in phases.items() if values}
     shown = ", ".join(f"{name} {value:.1f}" for name, value in breakdown.items())
+    how = ", statements prepared (prepare_threshold=5)" if prepared else ""
     return [
         Figure(
-            f"http start -> arrival at a local API ({len(to_arrival)} calls)",
+            f"http start -> arrival at a local API ({len(to_arrival)} calls{how})",
             f"p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {max(to_arrival):.1f} ms",
             "p50 <= 3 ms",
             "a new client per call: p50 19 ms, max 53 ms",
@@ -1006,7 +1014,7 @@ def http_latency(ctx: Context) -> list[Figure]:
              "connections": api.connections},
         ),
         Figure(
-            f"http send -> arrival at a local API ({len(send_to_api)} calls)",
+            f"http send -> arrival at a local API ({len(send_to_api)} calls{how})",
             f"p50 {api_p50:.1f} ms, p99 {percentile(send_to_api, 99):.1f} ms",
             "p50 <= 15 ms",
             f"plain Celery task, apply_async -> arrival: p50 {plain_p50:.1f} ms, p99 {percentile(plain_to_api, 99):.1f} ms",
@@ -1015,7 +1023,7 @@ def http_latency(ctx: Context) -> list[Figure]:
              "plain_p50_ms": plain_p50, "plain_p99_ms": percentile(plain_to_api, 99)},
         ),
         Figure(
-            f"http phases, p50 in ms ({len(phases['send'])} timed calls)",
+            f"http phases, p50 in ms ({len(phases['send'])} timed calls{how})",
             shown,
             "",
             "",
@@ -1187,6 +1195,7 @@ ALL = {
     "enqueue": enqueue,
     "memory": dispenser_memory,
     "http_latency": http_latency,
+    "http_latency_prepared": functools.partial(http_latency, prepared=True),
     "http_hostile": http_hostile,
     "fair_shares": fair_shares,
     "hot_key": hot_key,

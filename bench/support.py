@@ -64,7 +64,8 @@ def drop_database(url: str) -> None:
 def _admin_url(url: str) -> str:
     parts = urlsplit(url)
     scheme = "postgresql" if parts.scheme.startswith("postgres") else parts.scheme
-    return parts._replace(scheme=scheme, path="/postgres").geturl()
+    # The query holds Django's OPTIONS (``?prepare_threshold=5``), which libpq does not take.
+    return parts._replace(scheme=scheme, path="/postgres", query="").geturl()
 
 
 def reset_tables() -> None:
