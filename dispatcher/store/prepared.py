@@ -47,7 +47,8 @@ def cursor(db: str) -> Iterator[Any]:
         return
     connection.ensure_connection()
     with connection.wrap_database_errors:
-        raw = connection.Database.Cursor(connection.connection)  # psycopg's, binding on the server
+        # The backend's driver module is psycopg here (``preparing``): its Cursor binds on the server.
+        raw = connection.Database.Cursor(connection.connection)  # type: ignore[attr-defined]
     wrapped = _Logged(raw, connection) if connection.queries_logged else CursorWrapper(raw, connection)
     with wrapped:
         yield wrapped
