@@ -327,11 +327,11 @@ def publish_run_calls(calls: list[Claimed], per_message: int | None = None, alon
     the default here); the calls of the key sets in ``alone`` go one per message. The Celery
     message is built once per task and copied per message (``apply_async`` rebuilds it and
     re-reads the app's configuration every time); one producer and broker connection serve
-    the batch, and ``producer.batch()`` pipelines the writes on Redis (a lone message goes
-    as it is). Either the whole batch
-    is written or this raises: a caller puts every call of the batch back, and any message that
-    did reach the broker is stale (put back and the next claim change what it expects) and does
-    nothing. Celery's task_publish signals are not sent for these messages.
+    the batch, and ``producer.batch()`` pipelines the writes on Redis (a lone message goes as it
+    is). Either the whole batch is written or this raises: a caller puts every call of the batch
+    back, and any message that did reach the broker is stale (put back and the next claim change
+    what it expects) and does nothing. Celery's task_publish signals are not sent for these
+    messages.
     """
     if not calls:
         return

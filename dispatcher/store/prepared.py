@@ -38,8 +38,9 @@ def preparing(db: str) -> bool:
 
 @contextlib.contextmanager
 def cursor(db: str) -> Iterator[Any]:
-    """A cursor for a start's or finish's statement: Django's, on a server-binding psycopg cursor
-    where ``preparing``, so psycopg prepares what runs often; else Django's own cursor."""
+    """A cursor for a hot statement (a start's, a finish's, a dispense pass's): Django's wrapper on a
+    server-binding psycopg cursor where ``preparing``, so psycopg prepares what runs often; else
+    Django's own cursor."""
     connection = connections[db]
     if not preparing(db):
         with connection.cursor() as plain:
