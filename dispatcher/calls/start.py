@@ -281,7 +281,7 @@ def _mark_running_postgresql(
 ) -> dict[int, Marked]:
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
     params, buckets, charged = _mark_running_params(admitted, now, worker, group.read_tats, group.states, token)
-    statement = call_sql.mark_running_group()
+    statement = call_sql.mark_running_group(buckets=bool(buckets))
     if folded is not None and not prepared.preparing(manager.db):
         # A prepared statement goes alone: the folded start then sends its COMMIT on its own.
         statement = folded.commit(statement)

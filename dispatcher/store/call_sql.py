@@ -231,8 +231,9 @@ def call_heads() -> str:
     return f"SELECT {names} FROM {table('CallQueue')} WHERE {column('CallQueue', 'id')} = ANY(%s)"
 
 
-def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
-    """The CTEs every start writes besides the calls: the attempts, the start log, the buckets.
+def _start_writes(source: str, call_id: str, only_if: tuple[str, str], buckets: bool = True) -> str:
+    """The CTEs every start writes besides the calls: the attempts, the start log, the buckets
+    (none without ``buckets``: a start that charges no bucket).
 
     ``source`` is the CTE of the started calls, ``call_id`` the expression of a log row's call,
     ``only_if`` a FROM item and condition that must hold for the log and the buckets to be written.
@@ -257,12 +258,12 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
         "key": "b.key", "period": "b.period", "tat_us": judged, "since": "clock.now", "start": "%(b_start)s",
     })
     tat, key, period = column("KeyBucket", "tat_us"), column("KeyBucket", "key"), column("KeyBucket", "period")
-    buckets = (
+    bucket_rows = (
         "unnest(%(b_keys)s::text[], %(b_periods)s::interval[], %(b_tats)s::bigint[], %(b_charged)s::bigint[],"
         " %(b_read)s::bigint[]) WITH ORDINALITY AS b(key, period, tat_us, charged_us, read_us, n)"
     )
     gate, condition = only_if
-    return f"""
+    writes = f"""
         attempt AS (
             INSERT INTO {table('Attempt')} ({attempt_columns})
             SELECT {attempt_values} FROM {source}, clock
@@ -271,15 +272,18 @@ def _start_writes(source: str, call_id: str, only_if: tuple[str, str]) -> str:
         ), start_log AS (
             INSERT INTO {table('StartLog')} ({log_columns})
             SELECT {log_values} FROM {gate}, clock, {_START_LOG} WHERE {condition}
-        ), moved_buckets AS (
+        )"""
+    if not buckets:
+        return writes
+    return f"""{writes}, moved_buckets AS (
             UPDATE {table('KeyBucket')} AS kb
             SET {tat} = {judged} + GREATEST(kb.{tat} - b.read_us, 0), {column('KeyBucket', 'start')} = %(b_start)s
-            FROM {gate}, clock, {buckets}
+            FROM {gate}, clock, {bucket_rows}
             WHERE {condition} AND kb.{key} = b.key AND kb.{period} = b.period
             RETURNING b.n, kb.{tat} AS tat_us, kb.{tat} - {judged} AS moved_us
         ), new_buckets AS (
             INSERT INTO {table('KeyBucket')} ({bucket_columns})
-            SELECT {bucket_values} FROM {gate}, clock, {buckets} WHERE {condition}
+            SELECT {bucket_values} FROM {gate}, clock, {bucket_rows} WHERE {condition}
             ON CONFLICT ({key}, {period}) DO NOTHING
         )"""
 
@@ -296,7 +300,7 @@ def _start_assignments(started_at: str, attempts: str, calls: str, units: str, t
 
 
 @functools.cache
-def mark_running_group() -> str:
+def mark_running_group(buckets: bool = True) -> str:
     """Start the admitted calls of one message (or a call alone) in one statement (``start_many``).
 
     The starts are recorded at the statement's own clock, never before the clock they were judged
@@ -311,12 +315,19 @@ def mark_running_group() -> str:
     sends with it (``dispatcher.folded``) keeps nothing of the group. Returns per started call
     its attempt's id and number, the buckets that existed as [place, state, move] (``_start_writes``),
     then every column of the call (``columns`` order).
+
+    Without ``buckets`` (the group charges no bucket: %(b_keys)s is empty) the statement leaves
+    out the bucket writes, which would change nothing, and returns no buckets: PostgreSQL parses
+    and plans every statement of Django's client-side binding at each run, and the two bucket
+    CTEs were 0.6-0.8 ms of a start's 1.5-1.7 (``EXPLAIN`` timed alone, docs/performance.md).
+    Whitespace is folded: psycopg keeps its conversion of a query only up to 4,096 characters.
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
     k = functools.partial(column, "KeyState")
     started, counters = _start_assignments("clock.now", f"{call}.{c('attempts')}", "g.calls", "g.units", "g.total")
-    return f"""
+    moved = "(SELECT array_agg(ARRAY[n, tat_us, moved_us] ORDER BY n) FROM moved_buckets)" if buckets else "NULL::bigint[]"
+    return _folded(f"""
         WITH clock AS (
             SELECT GREATEST(clock_timestamp(), %(now)s::timestamptz) AS now
         ), d AS (
@@ -335,17 +346,20 @@ def mark_running_group() -> str:
             RETURNING {call}.*
         ), won AS (
             SELECT COUNT(*) = %(n)s AS all_won FROM started
-        ), {_start_writes("started", "log.call_id", ("won", "won.all_won"))}, counters AS (
+        ), {_start_writes("started", "log.call_id", ("won", "won.all_won"), buckets)}, counters AS (
             UPDATE {table('KeyState')} AS state SET {counters}
             FROM won, unnest(%(c_keys)s::text[], %(c_calls)s::int[], %(c_units)s::int[], %(c_totals)s::bigint[])
                 AS g(key, calls, units, total)
             WHERE state.{k('key')} = g.key AND won.all_won
         )
-        SELECT attempt.id, attempt.number,
-            (SELECT array_agg(ARRAY[n, tat_us, moved_us] ORDER BY n) FROM moved_buckets),
-            {columns('CallQueue', 'started.')}
+        SELECT attempt.id, attempt.number, {moved}, {columns('CallQueue', 'started.')}
         FROM started JOIN attempt ON attempt.call_id = started.{c('id')}
-    """
+    """)
+
+
+def _folded(statement: str) -> str:
+    """A statement with its runs of whitespace folded to one space (it holds no quoted text that has any)."""
+    return " ".join(statement.split())
 
 
 @functools.cache
