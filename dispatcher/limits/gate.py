@@ -13,7 +13,7 @@ from django.db import connections, models
 from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
-from dispatcher.limits.catalog import Policies, kept_policies, policies_statement, remember_policies
+from dispatcher.limits.catalog import Policies, kept_policies, remember_policies
 from dispatcher.limits.guard import LateStart, delay_memory, late_in_window, late_starts, merged_leaves_at
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
@@ -45,11 +45,12 @@ def policies_for_start(
     call after ``lock_keys``.
 
     On PostgreSQL a process keeps the policies it read last: one statement then reads the clock,
-    the policies' version and the keys' probes (computed with the kept policies), and the
-    policies themselves only if the version moved or a kept learnt limit expired; then the probes
-    are not returned (``assess`` reads them with the policies of now). Exact as reading the
-    policies at every start: the version is read after the lock wait, in the same snapshot as
-    the policies, so an edit committed before it binds this start.
+    the policies' version and the keys' probes (computed with the kept policies); only if the
+    version moved or a kept learnt limit expired, a second reads the policies and the probes are
+    not returned (``assess`` reads them with the policies of now). Exact as reading the policies
+    at every start: the version is read after the lock wait, so an edit committed before it
+    binds this start; the policies read after it are as new or newer (kept with the version
+    read, a newer edit is read again at the next start).
     """
     db = alias(using)
     kept = kept_policies(db)
@@ -62,20 +63,16 @@ def policies_for_start(
     policies.apply_guards(keys, states, None)
     governed = {key: governing for key in keys if (governing := policies.for_key(key))}
     kinds, params = _probes(governed, lambda span: span, db)
-    policies_sql, policy_params = policies_statement(db)
     # The start's clock: its worker measures the send against it, and holds a request from it.
     with prepared.cursor(db) as cursor, arrivals.reading_clock():
-        cursor.execute(
-            limit_sql.policies_for_start(kinds, policies_sql), [*params, *policy_params, version, policies.learnt_until]
-        )
-        rows = cursor.fetchall()
-    now, current = rows[0][0], rows[0][1]
+        cursor.execute(limit_sql.start_readings(kinds), params)
+        row = cursor.fetchone()
+    now, current = row[0], row[1]
     if current != version or (policies.learnt_until is not None and policies.learnt_until <= now):
-        skip = 2 + len(kinds)
-        policies = Policies._from_db_rows([row[skip:] for row in rows if row[skip] is not None])
+        policies = Policies.load(db)
         remember_policies(db, current, policies)
         return policies, now, None
-    readings, running = _from_probes(governed, states, iter(rows[0][2:]), db, now)
+    readings, running = _from_probes(governed, states, iter(row[2:]), db, now)
     return policies, now, Read(readings, running)
 
 
