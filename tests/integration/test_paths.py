@@ -140,8 +140,8 @@ def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
         (send, "insert_one"), (send, "insert_many"), (send, "insert_one_once"), (send, "insert_many_once"),
     ):
         monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
-    for module in (dispatcher.limits.catalog, dispatcher.limits.gate):
-        monkeypatch.setattr(module, "policies_statement", lambda *a: taken.append("policies_statement"))
+    monkeypatch.setattr(dispatcher.limits.catalog, "policies_statement", lambda *a: taken.append("policies_statement"))
     monkeypatch.setattr(dispatcher.store.limit_sql, "lock_key_states", lambda: taken.append("lock_key_states"))
+    monkeypatch.setattr(dispatcher.store.limit_sql, "start_readings", lambda *a: taken.append("start_readings"))
     _scenario()
     assert taken == []
