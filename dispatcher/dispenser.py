@@ -19,6 +19,7 @@ from celery import current_app
 from django.db import DatabaseError, close_old_connections, connections
 
 from dispatcher import liveness
+from dispatcher.calls import dispense
 from dispatcher.calls.dispense import DISPATCH_AHEAD
 from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
@@ -89,8 +90,7 @@ class Dispenser:
     def run_once(self) -> PassReport:
         """Claim and publish one batch; return what moved."""
         report = PassReport()
-        policies = catalog.Policies.load()
-        key_sets = CallQueue.objects.waiting_key_sets()
+        key_sets, policies = dispense.waiting_key_sets_and_policies(CallQueue.objects)
         if self.cursor is not None:
             # Start after the key set this dispenser served last: round-robin across passes.
             split = next((i for i, k in enumerate(key_sets) if k > self.cursor), 0)
@@ -115,7 +115,7 @@ class Dispenser:
         if not report.full:
             # A full pass is followed by another at once; only a partial one needs to know
             # when to look again.
-            upcoming = CallQueue.objects.next_due_at(db_now(CallQueue.objects.db))
+            upcoming = CallQueue.objects.next_due_at()
             if upcoming is not None:
                 waits.append(upcoming)
             report.next_at = min(waits) if waits else None

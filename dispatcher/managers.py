@@ -107,8 +107,8 @@ class CallQueueManager(_CallQueueManagerBase):  # type: ignore[type-arg]  # the 
         """Return claimed calls whose publish failed to waiting at once."""
         return dispense.put_back(self, calls)
 
-    def next_due_at(self, now: datetime) -> datetime | None:
-        """Return when the earliest call that is not yet due becomes due."""
+    def next_due_at(self, now: datetime | None = None) -> datetime | None:
+        """Return when the earliest call not yet due at ``now`` (the database's clock if None) becomes due."""
         return dispense.next_due_at(self, now)
 
     def at_workers(self, bound: int) -> int:

@@ -65,6 +65,28 @@ def waiting_key_sets(manager: CallQueueManager, after: str | None = None, limit:
         return [row[0] for row in cursor.fetchall()]
 
 
+def waiting_key_sets_and_policies(manager: CallQueueManager, limit: int = 10_000) -> tuple[list[str], catalog.Policies]:
+    """Return the waiting key sets (``waiting_key_sets``) and the policies a pass judges them by.
+
+    On PostgreSQL the key sets come with the clock and the policies' version in one round trip,
+    and the policies this process keeps serve while their version stands and no kept learnt limit
+    has expired (as a start's, ``gate.policies_for_start``); else they are read and kept. Read
+    before the pass's lock as ever, so an edit committed before the pass binds it.
+    """
+    db = manager.db
+    if not schema.postgresql_path(db):
+        return waiting_key_sets(manager, limit=limit), catalog.Policies.load(db)
+    kept = catalog.kept_policies(db)
+    with prepared.cursor(db) as cursor:
+        cursor.execute(call_sql.waiting_key_sets_with_version(), {"after": "", "limit": limit})
+        now, version, key_sets = cursor.fetchone()
+    if kept is not None and kept[0] == version and (kept[1].learnt_until is None or now < kept[1].learnt_until):
+        return list(key_sets), kept[1].fresh()
+    policies = catalog.Policies.load(db)
+    catalog.remember_policies(db, version, policies)
+    return list(key_sets), policies
+
+
 def _scan_order(call: Claimed) -> tuple[int, datetime | None, int]:
     """The order a key set's scan takes its due calls in: priority, then earliest due, then oldest."""
     return (-call.priority, call.run_at, call.id)
@@ -273,9 +295,20 @@ def put_back(manager: CallQueueManager, calls: Iterable[Claimed]) -> int:
     return returned
 
 
-def next_due_at(manager: CallQueueManager, now: datetime) -> datetime | None:
-    """Return when the earliest call that is not yet due becomes due."""
-    return manager.filter(status=Status.PENDING, run_at__gt=now).order_by("run_at").values_list("run_at", flat=True).first()
+def next_due_at(manager: CallQueueManager, now: datetime | None = None) -> datetime | None:
+    """Return when the earliest call not yet due at ``now`` (the database's clock if None) becomes due.
+
+    Hand-written on PostgreSQL, with the clock in the same round trip: it follows every partial
+    pass, where the ORM's compiling of it was 0.4 ms of the dispenser's CPU while the worker
+    took the call just published (both on a two-core machine).
+    """
+    if schema.postgresql_path(manager.db):
+        with prepared.cursor(manager.db) as cursor:
+            cursor.execute(call_sql.next_due(), {"now": now})
+            due: datetime | None = cursor.fetchone()[0]
+            return due
+    waiting = manager.filter(status=Status.PENDING, run_at__gt=now if now is not None else db_now(manager.db))
+    return waiting.order_by("run_at").values_list("run_at", flat=True).first()
 
 
 def at_workers(manager: CallQueueManager, bound: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 from dispatcher.states import CallStatus
+from dispatcher.store.limit_sql import POLICY_VERSION
 from dispatcher.store.schema import (
     CLOCK,
     NOTIFY,
@@ -157,12 +158,9 @@ def running_calls(field: str) -> str:
 # --- calls: dispense ---------------------------------------------------------------------------
 
 
-@functools.cache
-def waiting_key_sets() -> str:
-    """The distinct key sets of waiting calls after %(after)s, in order: a loose index scan of the
-    partial waiting index, each step one probe for the next key set; at most %(limit)s."""
-    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
+def _key_sets_scan() -> str:
     # The status is a literal, so the planner can match the partial index's predicate.
+    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
     waiting = f"{column('CallQueue', 'status')} = '{CallStatus.PENDING.value}'"
     return f"""
         WITH RECURSIVE ks(k) AS (
@@ -170,9 +168,36 @@ def waiting_key_sets() -> str:
             UNION ALL
             SELECT (SELECT MIN({key_set}) FROM {call} WHERE {waiting} AND {key_set} > ks.k)
             FROM ks WHERE ks.k IS NOT NULL
-        )
-        SELECT k FROM ks WHERE k IS NOT NULL LIMIT %(limit)s
-    """
+        )"""
+
+
+@functools.cache
+def waiting_key_sets() -> str:
+    """The distinct key sets of waiting calls after %(after)s, in order: a loose index scan of the
+    partial waiting index, each step one probe for the next key set; at most %(limit)s."""
+    return f"{_key_sets_scan()} SELECT k FROM ks WHERE k IS NOT NULL LIMIT %(limit)s"
+
+
+@functools.cache
+def waiting_key_sets_with_version() -> str:
+    """One row: the clock, the policies' version and, as an array, ``waiting_key_sets``'."""
+    return (
+        f"{_key_sets_scan()} SELECT {CLOCK}, {POLICY_VERSION},"
+        " ARRAY(SELECT k FROM ks WHERE k IS NOT NULL LIMIT %(limit)s)"
+    )
+
+
+@functools.cache
+def next_due() -> str:
+    """When the earliest waiting call not yet due at %(now)s (the database's clock where NULL)
+    becomes due: one probe of the partial index on run_at (the bound is read once, as a CTE, so
+    that the volatile clock does not keep the index out)."""
+    call, run_at = table("CallQueue"), column("CallQueue", "run_at")
+    waiting = f"{column('CallQueue', 'status')} = '{CallStatus.PENDING.value}'"
+    return (
+        f"WITH c AS MATERIALIZED (SELECT COALESCE(%(now)s::timestamptz, {CLOCK}) AS now)"
+        f" SELECT (SELECT {run_at} FROM {call} WHERE {waiting} AND {run_at} > c.now ORDER BY {run_at} LIMIT 1) FROM c"
+    )
 
 
 @functools.cache

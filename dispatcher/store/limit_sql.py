@@ -6,6 +6,7 @@ import functools
 from dispatcher.states import CallStatus
 from dispatcher.store.schema import CLOCK, column, columns, epoch_us, lock_key_rows, table
 
+# The policies' version, which every change of a policy, a learnt limit or a pattern pause moves (the
 # table and triggers of migration 0008, PostgreSQL only, with no model, hence its name here);
 # NULL if its row is missing, which only disables keeping the policies between starts.
 POLICY_VERSION = "(SELECT version FROM dispatcher_policy_version WHERE id = 1)"

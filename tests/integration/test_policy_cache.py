@@ -1,12 +1,15 @@
 """A worker keeps the policies it read (PostgreSQL); every way of changing them binds its next start."""
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
 from django.db import connection
 
+from dispatcher import dispenser as dispenser_module
 from dispatcher.clock import db_now
+from dispatcher.dispenser import Dispenser
 from dispatcher.limits import catalog, edit
 from dispatcher.models import CallQueue, KeyState, LearntLimit, RateLimit
 from tests.integration.test_lifecycle import claim_all
@@ -73,3 +76,42 @@ def test_a_changed_dispatcher_setting_drops_the_kept_policies(settings):
     assert _start(first) == "started"
     settings.DISPATCHER_ARRIVAL_GUARD = "50ms"
     assert catalog.kept_policies() is None
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """What the dispenser publishes, recorded instead of sent to a broker."""
+    sent: list = []
+    monkeypatch.setattr(dispenser_module, "publish_run_calls", lambda calls, per_message=None, alone=(): sent.extend(calls))
+    return sent
+
+
+def _pass_moves() -> int:
+    CallQueue.objects.send("greet", {"name": "x"}, keys=["api"])
+    return Dispenser().run_once().moved
+
+
+@pytest.mark.parametrize("change", EDITS)
+def test_an_edit_made_after_a_dispenser_kept_the_policies_binds_its_next_pass(change, published):
+    edit.set_policy("api", 2, timedelta(minutes=1))
+    assert _pass_moves() == 1
+    if connection.vendor == "postgresql":
+        kept = catalog.kept_policies()
+        assert kept is not None and kept[1].for_key("api")[0].limit == 2
+    _edit(change)
+    # Under the kept policies (2 a minute) the second call would be claimed.
+    assert _pass_moves() == 0
+
+
+def test_a_dispenser_reads_the_policies_again_once_a_kept_learnt_limit_expires(published):
+    edit.set_policy("api", 5, timedelta(minutes=1))
+    now = db_now()
+    LearntLimit.objects.create(
+        key="api", limit=1, period=timedelta(minutes=1), expires_at=now + timedelta(milliseconds=300),
+        source="handler", observed_at=now,
+    )
+    assert _pass_moves() == 1
+    assert _pass_moves() == 0  # the learnt limit holds while it lasts
+    time.sleep(0.4)
+    # Expired: the pass judges by the policy alone (5 a minute), not by the limit it kept.
+    assert _pass_moves() == 2
