@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.utils import timezone
 
-from dispatcher.store.schema import CLOCK, READ_CLOCK
+from dispatcher.store.schema import READ_CLOCK
 
 
 def db_now(using: str = DEFAULT_DB_ALIAS) -> datetime:
@@ -28,20 +28,6 @@ def _read_clock(using: str, statement: str) -> datetime:
         cursor.execute(statement)
         moment: datetime = cursor.fetchone()[0]
         return moment
-
-
-def db_now_commit_unflushed(using: str = DEFAULT_DB_ALIAS) -> datetime:
-    """Return the database clock (``db_now``), and on PostgreSQL let the transaction this runs in
-    commit without waiting for its WAL to reach the disk (``synchronous_commit`` off for it
-    alone), in the same round trip.
-
-    Only for a transaction whose loss in a database crash leaves nothing wrong (a claim: see
-    ``calls.dispense.claim_batch``). Other sessions see its commit at once as ever; a later
-    durable commit flushes it with its own (the WAL is written in order).
-    """
-    if connections[using].vendor != "postgresql":
-        return db_now(using)
-    return _read_clock(using, f"SELECT {CLOCK}, set_config('synchronous_commit', 'off', true)")
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -13,7 +13,7 @@ from django.db.models import F
 
 from dispatcher.calls import shares
 from dispatcher.calls.rows import fail_unreadable, json_value, unreadable_cost
-from dispatcher.clock import db_now, db_now_commit_unflushed
+from dispatcher.clock import db_now
 from dispatcher.conf import dispatcher_settings
 from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
@@ -123,11 +123,16 @@ def claim_batch(
     # Kept short: it holds the key locks every dispenser and worker of these keys waits on.
     with transaction.atomic(using=manager.db):
         states = locks.lock_keys(all_keys, using=manager.db)
-        now = db_now_commit_unflushed(manager.db) if own else db_now(manager.db)
         # Judge the windows a little ahead, so a call claimed for a slot about to free
         # reaches its worker as the slot frees; the start re-checks on the clock of then.
-        at = now + dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
-        by_key = gate.check_each_key(all_keys, states, at, policies, for_start=False, using=manager.db, since=now)
+        ahead = dispatcher_settings.tuned("DISPATCH_AHEAD", DISPATCH_AHEAD)
+        if schema.postgresql_path(manager.db):
+            # The clock and the keys' readings in one round trip under the keys' locks.
+            now, _, read = gate.clock_and_read(all_keys, states, policies, manager.db, ahead=ahead, unflushed=own)
+        else:
+            now, read = db_now(manager.db), None
+        at = now + ahead
+        by_key = gate.assess(all_keys, states, at, policies, for_start=False, using=manager.db, since=now, read=read).verdicts
         room = {key: verdict.room for key, verdict in by_key.items()}
         # A key's first call of the pass may cost more than its room when its bucket admits
         # one call beyond its depth (TokenBucket.alone): nothing else is promised then.

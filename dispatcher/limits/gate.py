@@ -1,6 +1,7 @@
 """The check: each key's readings under its lock, its room for a call, why it holds one (``states.WaitKind``), and what a start writes."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -58,23 +59,32 @@ def policies_for_start(
         policies, now = Policies.load_with_clock(db)
         return policies, now, None
     version, policies = kept
-    # The keys' guards before their probes: the probes read each window over its guarded span.
     policies = policies.fresh()
-    policies.apply_guards(keys, states, None)
-    governed = {key: governing for key in keys if (governing := policies.for_key(key))}
-    kinds, params = _probes(governed, lambda span: span, db)
     # The start's clock: its worker measures the send against it, and holds a request from it.
-    with prepared.cursor(db) as cursor, arrivals.reading_clock():
-        cursor.execute(limit_sql.start_readings(kinds), params)
-        row = cursor.fetchone()
-    now, current = row[0], row[1]
+    now, current, read = clock_and_read(keys, states, policies, db, start=True)
     if current != version or (policies.learnt_until is not None and policies.learnt_until <= now):
         policies = Policies.load(db)
         remember_policies(db, current, policies)
         return policies, now, None
-    readings, running = _from_probes(governed, states, iter(row[2:]), db, now)
-    return policies, now, Read(readings, running)
+    return policies, now, read
 
+
+def clock_and_read(
+    keys: Sequence[str], states: Mapping[str, KeyState], policies: Policies, db: str, *,
+    ahead: timedelta = timedelta(0), unflushed: bool = False, start: bool = False,
+) -> tuple[datetime, int | None, Read]:
+    """Guard the keys' policies (the probes read each window over its guarded span; before the
+    clock, with the largest delay a key remembers), then read the database clock, the policies'
+    version and the keys' probes judged ``ahead`` of it, in one statement (PostgreSQL). ``start``:
+    the clock is a start's, which its worker measures the send against (``arrivals``)."""
+    policies.apply_guards(keys, states, None)
+    governed = {key: governing for key in keys if (governing := policies.for_key(key))}
+    kinds, params = _probes(governed, lambda span: span - ahead, db)
+    with prepared.cursor(db) as cursor, (arrivals.reading_clock() if start else contextlib.nullcontext()):
+        cursor.execute(limit_sql.clock_readings(kinds, unflushed), params)
+        row = cursor.fetchone()
+    readings, running = _from_probes(governed, states, iter(row[2:]), db, row[0] + ahead)
+    return row[0], row[1], Read(readings, running)
 
 
 @dataclass(frozen=True)
@@ -116,20 +126,14 @@ def combine(verdicts: Sequence[Verdict]) -> Verdict:
 
 
 def read_policies(
-    governed: Mapping[str, Sequence[PolicyShape]],
-    states: Mapping[str, KeyState],
-    now: datetime,
-    using: str | None = None,
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], now: datetime, using: str | None = None,
 ) -> dict[str, list[Reading]]:
     """Return, per key, what storage says about each of its policies at ``now``; one query."""
     return read_keys(governed, states, now, using)[0]
 
 
 def read_keys(
-    governed: Mapping[str, Sequence[PolicyShape]],
-    states: Mapping[str, KeyState],
-    now: datetime,
-    using: str | None = None,
+    governed: Mapping[str, Sequence[PolicyShape]], states: Mapping[str, KeyState], now: datetime, using: str | None = None,
 ) -> tuple[dict[str, list[Reading]], dict[str, int]]:
     """Return, per key, what storage says about each of its policies at ``now``, and, for the keys
     with a concurrency cap, how many of their calls are running; one query.

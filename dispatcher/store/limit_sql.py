@@ -25,9 +25,12 @@ def policies_with_clock(policies: str) -> str:
 
 
 @functools.cache
-def start_readings(kinds: tuple[str, ...]) -> str:
-    """A start's one statement with kept policies: the clock, the policies' version and the keys'
-    probes (``kinds``, windows measured back from this clock).
+def clock_readings(kinds: tuple[str, ...], unflushed: bool = False) -> str:
+    """The clock, the policies' version and the keys' probes (``kinds``, windows measured back
+    from this clock less %s each) in one statement: a start's with kept policies, and a claim's;
+    with ``unflushed``, a last column lets the transaction commit without waiting for its WAL to
+    reach the disk (``synchronous_commit`` off for it alone: a claim's, ``calls.dispense.claim_batch``;
+    other sessions see its commit at once, and a later durable commit flushes it with its own).
 
     The policies themselves are not in it, even behind a join that returns them only when the
     version moved: PostgreSQL parses and plans the whole statement at every run all the same
@@ -35,7 +38,11 @@ def start_readings(kinds: tuple[str, ...]) -> str:
     once an edit.
     """
     probes = "".join(", " + probe for probe in _probes(kinds, "c.now - %s"))
-    return f"WITH c AS MATERIALIZED (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version) SELECT c.now, c.version{probes} FROM c"
+    flush = ", set_config('synchronous_commit', 'off', true)" if unflushed else ""
+    return (
+        f"WITH c AS MATERIALIZED (SELECT {CLOCK} AS now, {POLICY_VERSION} AS version)"
+        f" SELECT c.now, c.version{probes}{flush} FROM c"
+    )
 
 
 # --- the limiter -------------------------------------------------------------------------------

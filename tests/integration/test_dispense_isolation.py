@@ -13,7 +13,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.mark.parametrize("bad_keys", [["poisoned"], ["poisoned", "shared"], ["a", "poisoned", "z"]])
 def test_a_key_set_whose_claim_fails_is_skipped_and_the_others_are_claimed(monkeypatch, bad_keys):
-    real = gate.check_each_key
+    real = gate.assess
 
     def failing(keys, *args, **kwargs):
         if "poisoned" in keys:
@@ -21,7 +21,7 @@ def test_a_key_set_whose_claim_fails_is_skipped_and_the_others_are_claimed(monke
             raise DatabaseError("target lists can have at most 1664 entries")
         return real(keys, *args, **kwargs)
 
-    monkeypatch.setattr(gate, "check_each_key", failing)
+    monkeypatch.setattr(gate, "assess", failing)
     bad = [CallQueue.objects.send("noop", {}, keys=bad_keys) for _ in range(2)]
     good = [CallQueue.objects.send("noop", {}, keys=[f"tenant:{i}"]) for i in range(3)]
 
@@ -34,7 +34,7 @@ def test_a_key_set_whose_claim_fails_is_skipped_and_the_others_are_claimed(monke
 
 def test_the_pass_still_claims_nothing_twice_after_a_failed_batch(monkeypatch):
     calls = [CallQueue.objects.send("noop", {}, keys=[f"k{i}"]) for i in range(4)]
-    real = gate.check_each_key
+    real = gate.assess
     failed = []
 
     def fail_once(keys, *args, **kwargs):
@@ -43,7 +43,7 @@ def test_the_pass_still_claims_nothing_twice_after_a_failed_batch(monkeypatch):
             raise DatabaseError("the batch's statement failed")
         return real(keys, *args, **kwargs)
 
-    monkeypatch.setattr(gate, "check_each_key", fail_once)
+    monkeypatch.setattr(gate, "assess", fail_once)
     report = Dispenser().run_once()
     assert failed and report.moved == 4 and report.published == 4
     assert CallQueue.objects.filter(status="dispatched").count() == len(calls)
