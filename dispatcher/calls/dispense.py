@@ -80,11 +80,11 @@ def waiting_key_sets_and_policies(manager: CallQueueManager, limit: int = 10_000
     with prepared.cursor(db) as cursor:
         cursor.execute(call_sql.waiting_key_sets_with_version(), {"after": "", "limit": limit})
         now, version, key_sets = cursor.fetchone()
-    if kept is not None and kept[0] == version and (kept[1].learnt_until is None or now < kept[1].learnt_until):
+    reread = catalog.reread_unless_kept(db, kept, version, now)
+    if reread is None:
+        assert kept is not None  # with nothing kept, the policies are reread
         return list(key_sets), kept[1].fresh()
-    policies = catalog.Policies.load(db)
-    catalog.remember_policies(db, version, policies)
-    return list(key_sets), policies
+    return list(key_sets), reread
 
 
 def _scan_order(call: Claimed) -> tuple[int, datetime | None, int]:

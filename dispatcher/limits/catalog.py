@@ -330,6 +330,16 @@ def kept_policies(using: str | None = None) -> tuple[int, Policies] | None:
     return _kept.get(alias(using))
 
 
+def reread_unless_kept(db: str, kept: tuple[int, Policies] | None, version: int | None, now: datetime) -> Policies | None:
+    """None if the ``kept`` policies still stand at the ``version`` just read and at ``now`` (no kept
+    learnt limit expired); else read the policies, keep them with that version and return them."""
+    if kept is not None and kept[0] == version and (kept[1].learnt_until is None or now < kept[1].learnt_until):
+        return None
+    policies = Policies.load(db)
+    remember_policies(db, version, policies)
+    return policies
+
+
 def forget_policies(*, setting: str = "DISPATCHER_", **kwargs: object) -> None:
     """Drop the _kept policies (Django's setting_changed: the arrival guard shapes them)."""
     if setting.startswith("DISPATCHER_"):

@@ -14,7 +14,7 @@ from django.db import connections, models
 from dispatcher import arrivals, tables
 from dispatcher.clock import from_us, to_us
 from dispatcher.keys import parse_key_set
-from dispatcher.limits.catalog import Policies, kept_policies, remember_policies
+from dispatcher.limits.catalog import Policies, kept_policies, reread_unless_kept
 from dispatcher.limits.guard import LateStart, delay_memory, late_in_window, late_starts, merged_leaves_at
 from dispatcher.limits.locks import alias
 from dispatcher.limits.shapes import Policy as PolicyShape
@@ -58,15 +58,11 @@ def policies_for_start(
     if kept is None or not schema.postgresql_path(db):
         policies, now = Policies.load_with_clock(db)
         return policies, now, None
-    version, policies = kept
-    policies = policies.fresh()
+    policies = kept[1].fresh()
     # The start's clock: its worker measures the send against it, and holds a request from it.
     now, current, read = clock_and_read(keys, states, policies, db, start=True)
-    if current != version or (policies.learnt_until is not None and policies.learnt_until <= now):
-        policies = Policies.load(db)
-        remember_policies(db, current, policies)
-        return policies, now, None
-    return policies, now, read
+    reread = reread_unless_kept(db, kept, current, now)
+    return (policies, now, read) if reread is None else (reread, now, None)
 
 
 def clock_and_read(

@@ -158,10 +158,13 @@ def running_calls(field: str) -> str:
 # --- calls: dispense ---------------------------------------------------------------------------
 
 
+def _waiting() -> str:
+    # The status is a literal, so the planner can match the partial indexes' predicate.
+    return f"{column('CallQueue', 'status')} = '{CallStatus.PENDING.value}'"
+
+
 def _key_sets_scan() -> str:
-    # The status is a literal, so the planner can match the partial index's predicate.
-    call, key_set = table("CallQueue"), column("CallQueue", "key_set")
-    waiting = f"{column('CallQueue', 'status')} = '{CallStatus.PENDING.value}'"
+    call, key_set, waiting = table("CallQueue"), column("CallQueue", "key_set"), _waiting()
     return f"""
         WITH RECURSIVE ks(k) AS (
             SELECT MIN({key_set}) FROM {call} WHERE {waiting} AND {key_set} > %(after)s
@@ -193,10 +196,9 @@ def next_due() -> str:
     becomes due: one probe of the partial index on run_at (the bound is read once, as a CTE, so
     that the volatile clock does not keep the index out)."""
     call, run_at = table("CallQueue"), column("CallQueue", "run_at")
-    waiting = f"{column('CallQueue', 'status')} = '{CallStatus.PENDING.value}'"
     return (
         f"WITH c AS MATERIALIZED (SELECT COALESCE(%(now)s::timestamptz, {CLOCK}) AS now)"
-        f" SELECT (SELECT {run_at} FROM {call} WHERE {waiting} AND {run_at} > c.now ORDER BY {run_at} LIMIT 1) FROM c"
+        f" SELECT (SELECT {run_at} FROM {call} WHERE {_waiting()} AND {run_at} > c.now ORDER BY {run_at} LIMIT 1) FROM c"
     )
 
 
