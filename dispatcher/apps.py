@@ -36,11 +36,13 @@ class DispatcherConfig(AppConfig):
         from dispatcher.beat import connect_beat_signals, on_post_migrate
         from dispatcher.liveness import connect_worker_signals
         from dispatcher.redact import RedactingFilter
+        from dispatcher.store import functions
         from dispatcher.storedtimes import install as read_stored_times_within_bounds
 
         # Import every installed app's ``handlers`` module, as the admin does with ``admin``.
         autodiscover_modules("handlers")
         post_migrate.connect(on_post_migrate, sender=self)
+        post_migrate.connect(functions.on_post_migrate, sender=self)
         connect_beat_signals()
         # Rows stored with a timestamp Python cannot read are read as a bound, not an error.
         connection_created.connect(read_stored_times_within_bounds, dispatch_uid="dispatcher.storedtimes")

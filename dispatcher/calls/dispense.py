@@ -19,7 +19,7 @@ from dispatcher.exceptions import InvalidKey
 from dispatcher.keys import parse_key_set, read_key_set
 from dispatcher.limits import catalog, gate, ledger, locks
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, prepared, schema
+from dispatcher.store import call_sql, functions, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -78,7 +78,7 @@ def waiting_key_sets_and_policies(manager: CallQueueManager, limit: int = 10_000
         return waiting_key_sets(manager, limit=limit), catalog.Policies.load(db)
     kept = catalog.kept_policies(db)
     with prepared.cursor(db) as cursor:
-        cursor.execute(call_sql.waiting_key_sets_with_version(), {"after": "", "limit": limit})
+        cursor.execute(functions.key_sets_statement(db), {"after": "", "limit": limit})
         now, version, key_sets = cursor.fetchone()
     reread = catalog.reread_unless_kept(db, kept, version, now)
     if reread is None:
@@ -269,7 +269,7 @@ def _claim_rows_postgresql(manager: CallQueueManager, asks: dict[str, int], now:
         "key_sets": list(asks), "wanted": list(asks.values()),
     }
     with prepared.cursor(manager.db) as cursor:
-        cursor.execute(call_sql.claim_due(), params)
+        cursor.execute(functions.claim_statement(manager.db), params)
         return [
             Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c), run_at=r)
             for i, n, q, k, p, c, r in cursor.fetchall()
@@ -309,7 +309,7 @@ def next_due_at(manager: CallQueueManager, now: datetime | None = None) -> datet
     """
     if schema.postgresql_path(manager.db):
         with prepared.cursor(manager.db) as cursor:
-            cursor.execute(call_sql.next_due(), {"now": now})
+            cursor.execute(functions.next_due_statement(manager.db), {"now": now})
             due: datetime | None = cursor.fetchone()[0]
             return due
     waiting = manager.filter(status=Status.PENDING, run_at__gt=now if now is not None else db_now(manager.db))

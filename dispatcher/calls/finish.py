@@ -21,7 +21,7 @@ from dispatcher.limits.shapes import SlidingWindow, TokenBucket
 from dispatcher.retry import RetryPolicy
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, prepared, schema
+from dispatcher.store import call_sql, functions, prepared, schema
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -81,7 +81,7 @@ def _finish_postgresql(
     manager: CallQueueManager, call: CallQueue, attempt_id: int, keys: list[str], outcome: str, error: str,
     changes: dict[str, Any], wake: bool,
 ) -> bool:
-    """The same in one statement (``call_sql.finish``), atomic by itmanager."""
+    """The same in one statement (``call_sql.finish``), atomic by itself."""
     now = db_now(manager.db)
     changes, wake = _finish_changes(changes, now, keys, wake)
     db = connections[manager.db]
@@ -128,7 +128,7 @@ def finish_done_many(manager: CallQueueManager, done: Sequence[tuple[CallQueue, 
         "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": locks.WAKE_CHANNEL,
     }
     with prepared.cursor(manager.db) as cursor:
-        cursor.execute(call_sql.finish_done_many(), params)
+        cursor.execute(functions.finish_done_statement(manager.db), params)
         won = {row[0] for row in cursor.fetchall()}
     for call, attempt, _, _ in done:
         if call.id not in won:

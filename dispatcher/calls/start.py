@@ -20,7 +20,7 @@ from dispatcher.keys import parse_key_set
 from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
-from dispatcher.store import call_sql, limit_sql, prepared, schema
+from dispatcher.store import call_sql, functions, limit_sql, prepared, schema
 from dispatcher.store.folded import Folded, folding, start_transaction
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def warm(manager: CallQueueManager) -> None:
     for _ in range(2):
         gate.policies_for_start([], {}, using=db)
     with connections[db].cursor() as cursor:
-        cursor.execute(call_sql.mark_running_group(), _mark_running_params([], db_now(db), "", {}, {}, 0)[0])
+        cursor.execute(functions.mark_statement(db, True), _mark_running_params([], db_now(db), "", {}, {}, 0)[0])
 
 
 def start_many(
@@ -281,7 +281,7 @@ def _mark_running_postgresql(
 ) -> dict[int, Marked]:
     """One statement (``call_sql.mark_running_group``), all or nothing, with a folded start's COMMIT."""
     params, buckets, charged = _mark_running_params(admitted, now, worker, group.read_tats, group.states, token)
-    statement = call_sql.mark_running_group(buckets=bool(buckets))
+    statement = functions.mark_statement(manager.db, buckets=bool(buckets))
     if folded is not None and not prepared.preparing(manager.db):
         # A prepared statement goes alone: the folded start then sends its COMMIT on its own.
         statement = folded.commit(statement)

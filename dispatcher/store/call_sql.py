@@ -202,18 +202,23 @@ def next_due() -> str:
     )
 
 
+# What a claim returns of each call, in order.
+CLAIMED = ("id", "dispatch_no", "queue", "key_set", "priority", "cost", "run_at")
+
+
 @functools.cache
-def claim_due() -> str:
+def claim_due(returned: str = "") -> str:
     """Mark the due calls of every asking key set dispatched in one statement, skipping rows locked elsewhere.
 
     One LATERAL scan of the waiting index per key set (%(key_sets)s), each with its own LIMIT (%(wanted)s).
+    Returns the columns of CLAIMED, or ``returned`` (``store.functions``: the same, each cast to its type).
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
     sets = assignments("CallQueue", {
         "status": "%(dispatched)s", "dispatched_at": "%(now)s", "dispatch_no": f"{c('dispatch_no')} + 1",
     })
-    returned = ", ".join(c(name) for name in ("id", "dispatch_no", "queue", "key_set", "priority", "cost", "run_at"))
+    returned = returned or ", ".join(c(name) for name in CLAIMED)
     return f"""
         UPDATE {call} SET {sets}
         WHERE {c('id')} IN (
@@ -327,7 +332,7 @@ def _start_assignments(started_at: str, attempts: str, calls: str, units: str, t
 
 
 @functools.cache
-def mark_running_group(buckets: bool = True) -> str:
+def mark_running_group(buckets: bool = True, returned: str = "") -> str:
     """Start the admitted calls of one message (or a call alone) in one statement (``start_many``).
 
     The starts are recorded at the statement's own clock, never before the clock they were judged
@@ -348,6 +353,9 @@ def mark_running_group(buckets: bool = True) -> str:
     and plans every statement of Django's client-side binding at each run, and the two bucket
     CTEs were 0.6-0.8 ms of a start's 1.5-1.7 (``EXPLAIN`` timed alone, docs/performance.md).
     Whitespace is folded: psycopg keeps its conversion of a query only up to 4,096 characters.
+
+    ``returned``: the call's columns as returned (default every column of ``columns`` as it is;
+    ``store.functions`` casts each to the type its result declares).
     """
     call = table("CallQueue")
     c = functools.partial(column, "CallQueue")
@@ -379,7 +387,7 @@ def mark_running_group(buckets: bool = True) -> str:
                 AS g(key, calls, units, total)
             WHERE state.{k('key')} = g.key AND won.all_won
         )
-        SELECT attempt.id, attempt.number, {moved}, {columns('CallQueue', 'started.')}
+        SELECT attempt.id, attempt.number, {moved}, {returned or columns('CallQueue', 'started.')}
         FROM started JOIN attempt ON attempt.call_id = started.{c('id')}
     """)
 

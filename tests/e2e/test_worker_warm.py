@@ -5,12 +5,15 @@ import psycopg
 import pytest
 
 from dispatcher.models import CallQueue
+from dispatcher.store import functions
 from support.processes import wait_until
 from tests.calls import all_finished
 
-# A fragment of the statement that marks calls running (``call_sql.mark_running_group``), the
-# last one ``calls.start.warm`` runs.
-MARK_RUNNING = "AS d(id, dispatch_no)"
+
+def _mark_running() -> str:
+    """The function that marks calls running (``store.functions.mark``, installed by the test
+    database's migrate), whose call is the last statement ``calls.start.warm`` runs."""
+    return functions.mark(True, "default").name
 
 
 def _sessions(dsn: str) -> list[tuple[str, str]]:
@@ -29,7 +32,7 @@ def test_each_prefork_child_has_run_a_start_before_its_first_task(procs):
     procs.worker(procs.queue, concurrency=2)
 
     def warmed() -> list[tuple[str, str]]:
-        return [row for row in _sessions(dsn) if MARK_RUNNING in (row[1] or "")]
+        return [row for row in _sessions(dsn) if _mark_running() in (row[1] or "")]
 
     assert wait_until(lambda: len(warmed()) >= 2, timeout=60), procs.logs()
     # Each child's session stays open and idle for its tasks (Celery's Django fixup closes a new

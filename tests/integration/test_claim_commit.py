@@ -6,6 +6,7 @@ from django.db import connection, transaction
 
 from dispatcher.dispenser import Dispenser
 from dispatcher.models import CallQueue
+from dispatcher.store import call_sql, functions
 from tests.integration.test_lifecycle import claim_all
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -22,7 +23,7 @@ def test_a_dispense_pass_commits_its_claim_unflushed_and_the_session_stays_durab
 
     def watch(execute, sql, params, many, context):
         result = execute(sql, params, many, context)
-        if sql.lstrip().upper().startswith("UPDATE") and "dispatcher_call" in sql:
+        if sql in (call_sql.claim_due(), functions.claim("default").statement):
             # Inside the claim's transaction, as its calls are marked dispatched.
             with context["connection"].cursor() as cursor:
                 cursor.execute("SHOW synchronous_commit")

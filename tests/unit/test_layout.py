@@ -14,7 +14,7 @@ APP = Path(__file__).resolve().parents[2] / "dispatcher"
 FUNCTION_LOCAL_IMPORTS = {
     # AppConfig.ready(): runs once the registry is ready; these modules register checks and signals.
     ("apps", "django.utils.module_loading"), ("apps", "dispatcher"), ("apps", "dispatcher.beat"),
-    ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"),
+    ("apps", "dispatcher.liveness"), ("apps", "dispatcher.redact"), ("apps", "dispatcher.storedtimes"), ("apps", "dispatcher.store"),
     ("apps", "celery.signals"), ("apps", "dispatcher.httpclient"), ("apps", "dispatcher.worker"),
     ("apps", "django.contrib"),
     # The package root is imported while INSTALLED_APPS load, before models may be defined; the
