@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connections
+from django.db import connections, router
 
 from dispatcher.states import CallStatus
 from dispatcher.store import call_sql, schema
@@ -153,7 +153,9 @@ def install(using: str) -> None:
 
 
 def on_post_migrate(sender: Any = None, using: str = "default", **kwargs: Any) -> None:
-    install(using)
+    """Install where migrate put the calls' table (a database router may keep it elsewhere)."""
+    if router.allow_migrate_model(using, schema.meta("CallQueue").model):
+        install(using)
 
 
 _installed: dict[tuple[str, str], bool] = {}

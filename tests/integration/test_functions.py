@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
@@ -182,3 +183,19 @@ def test_a_call_started_by_the_function_comes_back_as_from_the_statement(publish
         assert type(one) is type(other), name
         if name not in differ:
             assert one == other, name
+
+
+class _CallsElsewhere:
+    """A site's router that keeps the dispatcher's tables out of the default database."""
+
+    def allow_migrate(self, db: str, app_label: str, **hints) -> bool | None:
+        return False if app_label == "dispatcher" and db == "default" else None
+
+
+def test_migrate_installs_them_only_where_a_router_lets_the_calls_table_go(dropped):
+    with override_settings(DATABASE_ROUTERS=[f"{__name__}._CallsElsewhere"]):
+        functions.on_post_migrate(using="default")
+    functions.forget()
+    assert not functions.installed("default")
+    functions.on_post_migrate(using="default")
+    assert functions.installed("default")
