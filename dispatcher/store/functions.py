@@ -2,7 +2,7 @@
 a dispense pass's key sets, claim and next due moment, a start's mark, a successful finish.
 
 With Django's default client-side binding PostgreSQL parses and plans every statement at every
-run, and the two longest ones plan far longer than they run (measured, docs/performance.md: a
+run, and these plan far longer than they run (measured, docs/performance.md: a
 start's mark 1.4-1.9 ms inline, 0.5 ms as a function; a claim 0.57 against 0.29 ms; a pass's
 key sets 0.76 against 0.31 ms; a successful finish 0.74 against 0.30 ms).
 Preparing them (``store.prepared``, the site's choice) saves the parse but not the plan: the
@@ -55,9 +55,9 @@ class Function:
     statement: str
 
 
-def _function(stem: str, body: str, returns: str, select: str) -> Function:
-    """``body`` (a statement with %(name)s parameters) as a function returning ``returns``; the
-    call selects ``select`` from its rows (``f``).
+def _function(stem: str, body: str, returns: str) -> Function:
+    """``body`` (a statement with %(name)s parameters) as a function returning ``returns``, and
+    the statement that calls it with the same parameters.
 
     The result names its columns' types rather than a table's row type: a function whose result
     is a table's type would keep the table from being dropped (``migrate dispatcher zero``).
@@ -82,7 +82,7 @@ def _function(stem: str, body: str, returns: str, select: str) -> Function:
     )
     name = f"dispatcher_{stem}_{hashlib.sha256(tail.encode()).hexdigest()[:12]}"
     call = ", ".join(f"%({name})s::{types[name]}" for name in arguments)
-    return Function(name, f"CREATE OR REPLACE FUNCTION {name}{tail}", f"SELECT {select} FROM {name}({call}) AS f")
+    return Function(name, f"CREATE OR REPLACE FUNCTION {name}{tail}", f"SELECT * FROM {name}({call})")
 
 
 def _result_type(field: Any, using: str) -> str:
@@ -108,7 +108,7 @@ def claim(using: str) -> Function:
     """``call_sql.claim_due`` as a function: the columns of CLAIMED, each declared with its type."""
     returned, declared = _call_columns(call_sql.CLAIMED, f"{schema.table('CallQueue')}.", using)
     body = f"WITH claimed AS ({call_sql.claim_due(returned)}) SELECT * FROM claimed"
-    return _function("claim", body, f"TABLE ({declared})", "*")
+    return _function("claim", body, f"TABLE ({declared})")
 
 
 @functools.cache
@@ -116,26 +116,26 @@ def mark(buckets: bool, using: str) -> Function:
     """``call_sql.mark_running_group`` as a function: every column of the call, each declared with its type."""
     returned, declared = _call_columns(_call_fields(), "started.", using)
     returns = f"TABLE (r_attempt bigint, r_number integer, r_moved bigint[], {declared})"
-    return _function("mark", call_sql.mark_running_group(buckets, returned), returns, "*")
+    return _function("mark", call_sql.mark_running_group(buckets, returned), returns)
 
 
 @functools.cache
 def key_sets() -> Function:
     """``call_sql.waiting_key_sets_with_version`` as a function (a dispense pass's first statement)."""
     returns = "TABLE (r_now timestamptz, r_version bigint, r_key_sets text[])"
-    return _function("key_sets", call_sql.waiting_key_sets_with_version(), returns, "*")
+    return _function("key_sets", call_sql.waiting_key_sets_with_version(), returns)
 
 
 @functools.cache
 def next_due() -> Function:
     """``call_sql.next_due`` as a function (after a dispense pass that left calls not yet due)."""
-    return _function("next_due", call_sql.next_due(), "TABLE (r_due timestamptz)", "*")
+    return _function("next_due", call_sql.next_due(), "TABLE (r_due timestamptz)")
 
 
 @functools.cache
 def finish_done() -> Function:
     """``call_sql.finish_done_many`` as a function (the successful attempts of a message, or one)."""
-    return _function("finish_done", call_sql.finish_done_many(), "TABLE (r_id bigint)", "*")
+    return _function("finish_done", call_sql.finish_done_many(), "TABLE (r_id bigint)")
 
 
 def every(using: str) -> list[Function]:
