@@ -294,7 +294,14 @@ def test_a_late_held_request_after_a_later_start_is_not_sent_and_waits_again(hol
     threads[1].start()
     for thread in threads:
         thread.join(10)
-    assert outcomes == {first.id: "missed", second.id: "done"}
+    assert outcomes[first.id] == "missed"
+    if outcomes[second.id] != "done":
+        # Its own start's durable commit stalled on a loaded disk (CI once: 500 ms, the first's
+        # miss committed in the same flush): a request past GUARD_MAX after its start may not go
+        # either, and waits again, as any that late. Never because of the first.
+        (late,) = Attempt.objects.filter(call=second)
+        assert (outcomes[second.id], late.outcome) == ("missed", Attempt.Outcome.MISSED)
+        assert "ms after its start" in late.error, late.error
     first.refresh_from_db()
     assert (first.status, first.attempts, first.deferrals) == ("pending", 0, 1)
     assert first.result is None  # its handler never got past the send
