@@ -21,7 +21,7 @@ from dispatcher.limits import gate, ledger, locks
 from dispatcher.states import AttemptOutcome as Outcome
 from dispatcher.states import CallStatus as Status
 from dispatcher.store import call_sql, functions, limit_sql, prepared, schema
-from dispatcher.store.folded import Folded, folding, start_transaction
+from dispatcher.store.folded import Folded, Unfoldable, can_fold, folding, start_transaction
 
 if TYPE_CHECKING:
     from dispatcher.managers import CallQueueManager
@@ -75,6 +75,9 @@ class Started:
 class _GroupRaced(Exception):
     """A call of a message's group was no longer the delivery's to start: start each on its own."""
 
+    results: dict[int, Started]
+    live: list[_Delivery]
+
 
 def start(
     manager: CallQueueManager, call_id: int, dispatch_no: int, worker: str = "", *, may_wait: timedelta = timedelta(0)
@@ -104,6 +107,8 @@ def warm(manager: CallQueueManager) -> None:
     _heads(manager, [])
     with connections[db].cursor() as cursor:
         cursor.execute(limit_sql.lock_key_states(), [[]])
+        if can_fold(db):  # a folded start's first statements (``_start_deliveries``)
+            cursor.execute(f"{limit_sql.lock_key_states_of_calls()}; {call_sql.call_heads()}", [[], []])
     # The first reads the policies with the clock and keeps them; the second is a start's
     # statement once they are kept.
     for _ in range(2):
@@ -127,7 +132,48 @@ def start_many(
     is started as a group of one.
     """
     worker = worker[:200]
-    heads = _heads(manager, [call_id for call_id, _ in deliveries])
+    try:
+        return folding(lambda fold: _start_deliveries(manager, deliveries, worker, may_wait, fold=fold))
+    except _GroupRaced as raced:
+        results = raced.results
+        for one in raced.live:
+            results[one.index] = (
+                Started(StartState.STALE, reason="claimed by another delivery") if len(raced.live) == 1
+                else start(manager, one.call_id, one.dispatch_no, worker, may_wait=may_wait)
+            )
+        return [results[index] for index in range(len(deliveries))]
+
+
+def _start_deliveries(
+    manager: CallQueueManager, deliveries: Sequence[tuple[int, int]], worker: str, may_wait: timedelta, *, fold: bool,
+) -> list[Started]:
+    """Read the deliveries' calls, then start the live ones as a group (see start_many()).
+
+    Folded (``store.folded``), the calls' heads are read in the transaction's first round trip,
+    with BEGIN and after the lock of their keys (``locks.lock_keys_of_calls``); else before the
+    transaction, and its lock after."""
+    ids = [call_id for call_id, _ in deliveries]
+    db = manager.db
+    fold = fold and can_fold(db)
+    heads = None if fold else _heads(manager, ids)
+    with start_transaction(db, fold) as folded:
+        states = None
+        if heads is None:
+            assert folded is not None  # can_fold: start_transaction folds
+            rows, states = locks.lock_keys_of_calls(ids, call_sql.call_heads(), db, folded)
+            heads = {row[0]: row[1:] for row in rows}
+        results, live = _live(deliveries, heads)
+        if live:
+            try:
+                results.update(_start_group(manager, live, worker, may_wait, folded, states))
+            except _GroupRaced as raced:
+                raced.results, raced.live = results, live
+                raise
+    return [results[index] for index in range(len(deliveries))]
+
+
+def _live(deliveries: Sequence[tuple[int, int]], heads: Mapping[int, Sequence[Any]]) -> tuple[dict[int, Started], list[_Delivery]]:
+    """The stale deliveries' results (by their place in the message), and the live ones."""
     results: dict[int, Started] = {}
     live: list[_Delivery] = []
     seen: set[int] = set()
@@ -144,15 +190,7 @@ def start_many(
             cost = json_value(head[3]) or {}
             live.append(_Delivery(index, call_id, dispatch_no, keys, {key: cost.get(key, 1) for key in keys}))
             seen.add(call_id)
-    try:
-        results.update(folding(lambda fold: _start_group(manager, live, worker, may_wait, fold=fold)))
-    except _GroupRaced:
-        for one in live:
-            results[one.index] = (
-                Started(StartState.STALE, reason="claimed by another delivery") if len(live) == 1
-                else start(manager, one.call_id, one.dispatch_no, worker, may_wait=may_wait)
-            )
-    return [results[index] for index in range(len(deliveries))]
+    return results, live
 
 
 @dataclass
@@ -167,7 +205,8 @@ class _Delivery:
 
 
 def _heads(manager: CallQueueManager, ids: list[int]) -> dict[int, Sequence[Any]]:
-    """Read what a start checks before any lock (key_set, status, dispatch_no, cost) per call id.
+    """Read what a start checks before any lock (key_set, status, dispatch_no, cost) per call id
+    (an unfolded start's; a folded one reads them with its lock, ``locks.lock_keys_of_calls``).
 
     Hand-written: read at every start, where the ORM's compilation would cost more than the query.
     """
@@ -185,75 +224,79 @@ def _heads(manager: CallQueueManager, ids: list[int]) -> dict[int, Sequence[Any]
 
 
 def _start_group(
-    manager: CallQueueManager, live: list[_Delivery], worker: str, may_wait: timedelta, *, fold: bool,
+    manager: CallQueueManager, live: list[_Delivery], worker: str, may_wait: timedelta, folded: Folded | None,
+    locked: dict[str, KeyState] | None,
 ) -> dict[int, Started]:
-    """Start (or defer) the live deliveries in one transaction; see start_many()."""
+    """Start (or defer) the live deliveries in the start's transaction, their keys ``locked``
+    already or locked here; see start_many()."""
     results: dict[int, Started] = {}
-    if not live:
-        return results
     db = manager.db
     all_keys = sorted({key for one in live for key in one.keys})
-    with start_transaction(db, fold) as folded:
+    if locked is None:
         states = locks.lock_keys(all_keys, using=db, folded=folded)
-        policies, now, read = gate.policies_for_start(all_keys, states, using=db)
-        # Read after the lock wait, so a policy edit committed meanwhile binds these starts; and
-        # re-checked at the start itself: a message may have waited in the broker while the
-        # window filled, a policy tightened or a pause began.
-        group = gate.Group(states, policies, now, gate.assess(all_keys, states, now, policies, for_start=True, read=read, using=db))
-        admitted: list[tuple[_Delivery, gate.StartRecord, bool]] = []
-        for one in live:
+    elif all(key in locked for key in all_keys):
+        states = {key: locked[key] for key in all_keys}
+    else:
+        raise Unfoldable(f"no key row for {sorted(set(all_keys) - set(locked))}")
+    policies, now, read = gate.policies_for_start(all_keys, states, using=db)
+    # Read after the lock wait, so a policy edit committed meanwhile binds these starts; and
+    # re-checked at the start itself: a message may have waited in the broker while the
+    # window filled, a policy tightened or a pause began.
+    group = gate.Group(states, policies, now, gate.assess(all_keys, states, now, policies, for_start=True, read=read, using=db))
+    admitted: list[tuple[_Delivery, gate.StartRecord, bool]] = []
+    for one in live:
+        verdict = group.check(one.keys, one.costs)
+        if verdict.blocked and not admitted and verdict.until is not None and verdict.until - now <= min(may_wait, HOLD_FOR_SLOT):
+            # The slot frees within a few milliseconds and nothing of the group started yet:
+            # wait for it holding the key locks, which no other start of these keys could
+            # use before then anyway, so the start lands on its slot rather than a worker's
+            # round trip after it. The start's clock is read again: its worker measures the
+            # send against this reading (the wait for the slot is not a start-to-send delay).
+            time.sleep((verdict.until - now).total_seconds())
+            with arrivals.reading_clock():
+                now = db_now(db)
+            # Woken a little late (the sleep's overshoot, the clock's round trip): judged at
+            # the slot still, up to SLOT_GIVE sooner than the clock read, so a held request
+            # keeps its moment rather than the overshoot's (its hold counts from the slot).
+            # Safe for every shape: nothing else started on these keys meanwhile (their locks),
+            # a window judged earlier counts no fewer starts, and the start is recorded at
+            # its own clock, which carries an unheld bucket's charge (call_sql._start_writes).
+            slot = max(verdict.until, now - SLOT_GIVE)
+            if slot < now:
+                arrivals.judged_earlier(now - slot)
+                now = slot
+            group = gate.Group(states, policies, now, gate.assess(all_keys, states, now, policies, for_start=True, using=db))
             verdict = group.check(one.keys, one.costs)
-            if verdict.blocked and not admitted and verdict.until is not None and verdict.until - now <= min(may_wait, HOLD_FOR_SLOT):
-                # The slot frees within a few milliseconds and nothing of the group started yet:
-                # wait for it holding the key locks, which no other start of these keys could
-                # use before then anyway, so the start lands on its slot rather than a worker's
-                # round trip after it. The start's clock is read again: its worker measures the
-                # send against this reading (the wait for the slot is not a start-to-send delay).
-                time.sleep((verdict.until - now).total_seconds())
-                with arrivals.reading_clock():
-                    now = db_now(db)
-                # Woken a little late (the sleep's overshoot, the clock's round trip): judged at
-                # the slot still, up to SLOT_GIVE sooner than the clock read, so a held request
-                # keeps its moment rather than the overshoot's (its hold counts from the slot).
-                # Safe for every shape: nothing else started on these keys meanwhile (their locks),
-                # a window judged earlier counts no fewer starts, and the start is recorded at
-                # its own clock, which carries an unheld bucket's charge (call_sql._start_writes).
-                slot = max(verdict.until, now - SLOT_GIVE)
-                if slot < now:
-                    arrivals.judged_earlier(now - slot)
-                    now = slot
-                group = gate.Group(states, policies, now, gate.assess(all_keys, states, now, policies, for_start=True, using=db))
-                verdict = group.check(one.keys, one.costs)
-            if not verdict.blocked:
-                capped = any(p.concurrency for key in one.keys for p in policies.for_key(key))
-                admitted.append((one, group.admit(one.keys, one.costs), capped))
-                continue
-            if verdict.until is not None and verdict.until - now <= may_wait:
-                results[one.index] = Started(
-                    StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
-                )
-                continue
-            # Back to wait in its place (its run_at unchanged): the dispensers' own check finds
-            # no room either until the verdict's moment, so it is not claimed before.
-            deferred = manager.filter(id=one.call_id, status=Status.DISPATCHED, dispatch_no=one.dispatch_no).update(
-                status=Status.PENDING, dispatched_at=None
+        if not verdict.blocked:
+            capped = any(p.concurrency for key in one.keys for p in policies.for_key(key))
+            admitted.append((one, group.admit(one.keys, one.costs), capped))
+            continue
+        if verdict.until is not None and verdict.until - now <= may_wait:
+            results[one.index] = Started(
+                StartState.EARLY, reason=f"{verdict.key}: {verdict.reason}", wait=verdict.until - now
             )
-            if not deferred:
-                raise _GroupRaced
-            ledger.adjust(one.keys, reserved=-1, units=one.costs, using=db)
-            results[one.index] = Started(StartState.DEFERRED, reason=f"{verdict.key}: {verdict.reason}")
-        if admitted:
-            token = secrets.randbits(62)
-            started = _mark_running(manager, admitted, now, worker, group, folded, token)
-            if len(started) < len(admitted):
-                raise _GroupRaced  # rolls back the whole group
-            for one, _, capped in admitted:
-                call, attempt, buckets, moved = started[one.call_id]
-                results[one.index] = Started(
-                    StartState.STARTED, call=call, attempt=attempt, capped=capped,
-                    buckets={key: found for key in one.keys if (found := buckets.get(key))},
-                    moved=max((moved.get(key, timedelta(0)) for key in one.keys), default=timedelta(0)), start=token,
-                )
+            continue
+        # Back to wait in its place (its run_at unchanged): the dispensers' own check finds
+        # no room either until the verdict's moment, so it is not claimed before.
+        deferred = manager.filter(id=one.call_id, status=Status.DISPATCHED, dispatch_no=one.dispatch_no).update(
+            status=Status.PENDING, dispatched_at=None
+        )
+        if not deferred:
+            raise _GroupRaced
+        ledger.adjust(one.keys, reserved=-1, units=one.costs, using=db)
+        results[one.index] = Started(StartState.DEFERRED, reason=f"{verdict.key}: {verdict.reason}")
+    if admitted:
+        token = secrets.randbits(62)
+        started = _mark_running(manager, admitted, now, worker, group, folded, token)
+        if len(started) < len(admitted):
+            raise _GroupRaced  # rolls back the whole group
+        for one, _, capped in admitted:
+            call, attempt, buckets, moved = started[one.call_id]
+            results[one.index] = Started(
+                StartState.STARTED, call=call, attempt=attempt, capped=capped,
+                buckets={key: found for key in one.keys if (found := buckets.get(key))},
+                moved=max((moved.get(key, timedelta(0)) for key in one.keys), default=timedelta(0)), start=token,
+            )
     return results
 
 

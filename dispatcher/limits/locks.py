@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from django.db import connections, router
+from django.db import DataError, connections, router
 
 from dispatcher import tables
 from dispatcher.store import limit_sql, prepared, schema
@@ -64,6 +64,31 @@ def _select_for_update(ordered: list[str], db: str, folded: Folded | None = None
             rows = cursor.fetchall()
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
     return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}
+
+
+def lock_keys_of_calls(
+    ids: list[int], heads: str, db: str, folded: Folded,
+) -> tuple[list[tuple[Any, ...]], dict[str, KeyState]]:
+    """A folded start's first round trip: ``BEGIN``, the lock of every key of the calls ``ids``
+    (their KeyState rows), then the ``heads`` statement of those calls, its rows returned as
+    they are: read once the locks are held, so a start of the same calls elsewhere (the same
+    keys) has committed or not begun.
+
+    The caller checks that the rows cover the keys of the calls it starts: a key without a row
+    raises ``Unfoldable`` (creating it needs Django's transaction), as does a key set the
+    database cannot read as a JSON array (the plain start then reads it and says why).
+    """
+    with connections[db].cursor() as cursor:
+        try:
+            cursor.execute(folded.begin(f"{limit_sql.lock_key_states_of_calls()}; {heads}"), [ids, ids])
+        except DataError as exc:
+            raise Unfoldable(f"a key set not read as a JSON array: {exc}") from None
+        cursor.nextset()  # past BEGIN's result, to the locked rows
+        locked = cursor.fetchall()
+        cursor.nextset()
+        rows = cursor.fetchall()
+    names = [f.attname for f in tables.KeyState._meta.concrete_fields]
+    return rows, {row[0]: tables.KeyState.from_db(db, names, row) for row in locked}
 
 
 def wake_dispensers(using: str | None = None) -> None:

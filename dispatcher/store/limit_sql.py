@@ -55,6 +55,16 @@ def lock_key_states() -> str:
 
 
 @functools.cache
+def lock_key_states_of_calls() -> str:
+    """Lock and read whole KeyState rows of the keys of the calls whose ids are in %s, in key
+    order (a folded start's, ``locks.lock_keys_of_calls``). A key set that is not a JSON array
+    fails the statement."""
+    call, key_set, call_id = table("CallQueue"), column("CallQueue", "key_set"), column("CallQueue", "id")
+    keys = f"ARRAY(SELECT jsonb_array_elements_text({key_set}::jsonb) FROM {call} WHERE {call_id} = ANY(%s::bigint[]))"
+    return lock_key_rows(columns("KeyState"), keys)
+
+
+@functools.cache
 def _bucket_probe() -> str:
     # A bucket's one timestamp (params: key, period).
     key, period = column("KeyBucket", "key"), column("KeyBucket", "period")

@@ -98,10 +98,11 @@ def epoch_us(expression: str) -> str:
     return f"(EXTRACT(EPOCH FROM {expression}) * 1000000)::bigint"
 
 
-def lock_key_rows(select: str) -> str:
-    """Lock the KeyState rows of the keys in %s (a text array) in key order, as every locker of several keys does."""
+def lock_key_rows(select: str, keys: str = "%s::text[]") -> str:
+    """Lock the KeyState rows of the keys in ``keys`` (a text array: %s by default) in key order,
+    as every locker of several keys does."""
     key = column("KeyState", "key")
-    return f"SELECT {select} FROM {table('KeyState')} WHERE {key} = ANY(%s::text[]) ORDER BY {key} FOR UPDATE"
+    return f"SELECT {select} FROM {table('KeyState')} WHERE {key} = ANY({keys}) ORDER BY {key} FOR UPDATE"
 
 
 # --- the clock and wake-ups ------------------------------------------------------------------

@@ -142,6 +142,7 @@ def test_the_portable_path_is_really_taken_when_forced(monkeypatch):
         monkeypatch.setattr(module, name, lambda *a, name=name, **k: taken.append(name))
     monkeypatch.setattr(dispatcher.limits.catalog, "policies_statement", lambda *a: taken.append("policies_statement"))
     monkeypatch.setattr(dispatcher.store.limit_sql, "lock_key_states", lambda: taken.append("lock_key_states"))
+    monkeypatch.setattr(dispatcher.store.limit_sql, "lock_key_states_of_calls", lambda: taken.append("lock_key_states_of_calls"))
     monkeypatch.setattr(dispatcher.store.limit_sql, "clock_readings", lambda *a: taken.append("clock_readings"))
     _scenario()
     assert taken == []

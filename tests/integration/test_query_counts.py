@@ -36,22 +36,22 @@ KEY_SETS = 3
 # reading keeps the policies it read (one query fewer).
 PASS_QUERIES = {"postgresql": 12, "sqlite": 11 + 2 * KEY_SETS}
 # One worker run of a call with one limited key, from message to done, in a worker that has
-# started a call before: read the call's head (1); start, in one transaction: lock the key, then
-# one statement reads the clock, the version of the policies the worker kept and the window
-# count (on PostgreSQL), then one statement marks the call running and writes the attempt, the
-# window log and the counters (3: on PostgreSQL BEGIN goes with the lock and COMMIT with the
-# mark, dispatcher.folded; on SQLite they are two more); finish: one statement for the call, the
-# attempt and the wake-up on the database's own clock (1). SQLite reads the policies at every
-# start, runs the statements that PostgreSQL combines one by one, in transactions, reads the
-# clock before its finish and locks no key at a finish.
-RUN_QUERIES = {"postgresql": 5, "sqlite": 15}
-# One message of 10 such calls (DISPATCHER_CALLS_PER_MESSAGE=10) on PostgreSQL: their heads (1);
-# one transaction starts them all: lock their keys, read clock, policy version and windows, mark
-# them running (3, BEGIN and COMMIT going with the first and the last); one statement records
-# their outcomes (1). SQLite reads their heads one by one and starts them in one transaction too
-# (the keys locked and the windows read once, each call marked through the ORM), then finishes
-# them one by one: 105 where ten starts of one call each cost 150.
-MESSAGE_QUERIES = {"postgresql": 5, "sqlite": 105}
+# started a call before. On PostgreSQL: start, in one transaction: read the call's head and lock
+# its key in one round trip with BEGIN, then one statement reads the clock, the version of the
+# policies the worker kept and the window count, then one statement marks the call running and
+# writes the attempt, the window log and the counters, with COMMIT (3, dispatcher.folded);
+# finish: one statement for the call, the attempt and the wake-up on the database's own clock
+# (1). SQLite reads the call's head before its transaction, reads the policies at every start,
+# runs the statements that PostgreSQL combines one by one, in transactions, reads the clock
+# before its finish and locks no key at a finish.
+RUN_QUERIES = {"postgresql": 4, "sqlite": 15}
+# One message of 10 such calls (DISPATCHER_CALLS_PER_MESSAGE=10) on PostgreSQL: one transaction
+# starts them all: read their heads and lock their keys, read clock, policy version and windows,
+# mark them running (3, BEGIN and COMMIT going with the first and the last); one statement
+# records their outcomes (1). SQLite reads their heads one by one and starts them in one
+# transaction too (the keys locked and the windows read once, each call marked through the
+# ORM), then finishes them one by one: 105 where ten starts of one call each cost 150.
+MESSAGE_QUERIES = {"postgresql": 4, "sqlite": 105}
 # Where the connection prepares statements (``dispatcher.store.prepared``) a start's mark cannot
 # carry its COMMIT, which goes on its own: one query more for a run or a message.
 def _own_commit() -> int:
