@@ -25,7 +25,7 @@ from dispatcher.limits.guard import (
 )
 from dispatcher.limits.locks import alias, lock_keys
 from dispatcher.store import limit_sql, prepared, schema
-from dispatcher.store.folded import can_fold
+from dispatcher.store.folded import Folded, can_fold
 
 if TYPE_CHECKING:
     from dispatcher.limits.gate import StartRecord
@@ -47,8 +47,11 @@ def record_starts(
         )
 
 
-def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = None, using: str | None = None) -> None:
-    """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one statement."""
+def adjust_reserved(
+    by_key: dict[str, int], units: Mapping[str, int] | None = None, using: str | None = None, folded: Folded | None = None,
+) -> None:
+    """Add to the reserved counters (calls and units) of locked keys, each its own amount, in one
+    statement; with ``folded``, the folded transaction's COMMIT goes with it (not prepared)."""
     units = units or by_key
     by_key = {key: n for key, n in by_key.items() if n}
     if not by_key:
@@ -56,8 +59,14 @@ def adjust_reserved(by_key: dict[str, int], units: Mapping[str, int] | None = No
     params = [value for pair in by_key.items() for value in pair]
     params += [value for key in by_key for value in (key, units.get(key, by_key[key]))]
     params += list(by_key)
-    with prepared.cursor(alias(using)) as cursor:
-        cursor.execute(limit_sql.adjust_reserved(len(by_key)), params)
+    db = alias(using)
+    statement = limit_sql.adjust_reserved(len(by_key))
+    if folded is not None:
+        with connections[db].cursor() as cursor:
+            cursor.execute(folded.commit(statement), params)
+        return
+    with prepared.cursor(db) as cursor:
+        cursor.execute(statement, params)
 
 
 def adjust(

@@ -26,15 +26,16 @@ KEY_SETS = 3
 # on SQLite the policies (1) and the key sets (1). One transaction for all the key sets it
 # serves: lock their keys, read the clock and count every key's windows (one statement on
 # PostgreSQL, two on SQLite), claim the calls of every key set (one UPDATE ... RETURNING on
-# PostgreSQL, a SELECT and an UPDATE per key set on SQLite), move the counters (4 on PostgreSQL,
-# plus BEGIN/COMMIT); having moved two calls or more, its
+# PostgreSQL, a SELECT and an UPDATE per key set on SQLite), move the counters (4 on PostgreSQL:
+# BEGIN goes with the lock and COMMIT with the counters, dispatcher.store.folded, where no two of
+# its key sets share a key; SQLite adds BEGIN and COMMIT); having moved two calls or more, its
 # calls per message: the workers' slots (1, kept for a second), the calls not yet started (1)
 # and, when that makes them share messages, which of their keys no call has finished under yet
 # (1; a pass of one call per message skips it); then, unless the pass filled its batch, the next
 # due call (with the clock on PostgreSQL: 1; SQLite: 2). On PostgreSQL none of it depends on how
 # many calls or key sets the pass serves, and a pass with no edit since the process's last
 # reading keeps the policies it read (one query fewer).
-PASS_QUERIES = {"postgresql": 12, "sqlite": 11 + 2 * KEY_SETS}
+PASS_QUERIES = {"postgresql": 10, "sqlite": 11 + 2 * KEY_SETS}
 # One worker run of a call with one limited key, from message to done, in a worker that has
 # started a call before. On PostgreSQL: start, in one transaction: read the call's head and lock
 # its key in one round trip with BEGIN, then one statement reads the clock, the version of the
