@@ -74,6 +74,7 @@ def reset_tables() -> None:
 
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {tables()} RESTART IDENTITY")
+        cursor.execute(f"ANALYZE {tables()}")
 
 
 def backlog(n: int, *, method: str = "bench.noop", keys: list[str] | None = None, chunk: int = 5000) -> None:
