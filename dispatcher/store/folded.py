@@ -1,4 +1,4 @@
-"""A start's transaction on PostgreSQL in two round trips fewer: BEGIN and COMMIT ride along.
+"""A start's or a claim's transaction on PostgreSQL in fewer round trips: BEGIN and COMMIT ride along.
 
 A start (``CallQueueManager.start`` and ``start_many``) is one short transaction: lock the keys'
 rows, read their windows, mark the calls running. Under ``transaction.atomic`` psycopg sends BEGIN
@@ -8,12 +8,15 @@ Celery's ``threads`` pool, and the key's row stays locked for all of them.
 
 Here the lock statement is sent as ``BEGIN; <lock>`` and the mark as ``<mark>; COMMIT``, each one
 round trip (a multi-statement query, which psycopg's client-side binding cursors, Django's
-default, send as one). Nothing else changes: the same statements run in the same transaction in
-the same order. The transaction is ours, not Django's, so nothing inside it may open an
-``atomic`` block (Django would try to leave autocommit inside a transaction): the start's code
-does not, and the one place that would, creating key rows a claim had not created, asks for the
-plain transaction instead (``Unfoldable``). When the block ends without the mark's COMMIT (a call
-deferred, a start early, an error) the transaction is committed or, after an error, rolled back.
+default, send as one); a start's lock also reads its calls' heads after it
+(``locks.lock_keys_of_calls``), and a dispense pass's claim sends its counters as
+``<counters>; COMMIT`` (``calls.dispense``). The transaction is ours, not Django's, so nothing
+inside it may open an ``atomic`` block (Django would try to leave autocommit inside a
+transaction): the start's code does not, nor a claim's whose key sets share no key (fair turns
+are written through the ORM: such a claim is not folded), and the one place that would,
+creating key rows a claim had not created, asks for the plain transaction instead
+(``Unfoldable``). When the block ends without a COMMIT sent (a call deferred, a start early, an
+error) the transaction is committed or, after an error, rolled back.
 
 Only where it is safe: PostgreSQL with psycopg 3's client-side binding, in autocommit, outside any
 ``atomic`` block. Elsewhere ``start_transaction`` is ``transaction.atomic``.
