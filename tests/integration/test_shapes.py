@@ -119,7 +119,8 @@ def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeyp
     clock. On a loaded machine one try in three or four was charged from its read all the same
     (2026-11-29, the code before that day's changes too: noted on issue 28); so up to three
     tries, and at least one must follow the rule. Judged at its read every time (SLOT_GIVE 0),
-    none does."""
+    none does. A try whose start came after its slot (set 25 ms ahead; CI once took longer to
+    get there) waits for nothing and does not count; three such and the test fails."""
     import time as real_time
 
     from dispatcher.calls import start as start_module
@@ -150,10 +151,13 @@ def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeyp
     monkeypatch.setattr(start_module, "db_now", clock)
     monkeypatch.setattr(start_module.gate, "policies_for_start", first_reading)
     tries = []
-    for _ in range(3):
+    came_after = 0
+    followed = False
+    while len(tries) < 3 and came_after < 3 and not followed:
         for seen in (asked, judged_on, read_after_sleep):
             seen.clear()
         KeyState.objects.update_or_create(key="paced", defaults={"send_delay_us": 20_000, "send_delay_since": db_now()})
+        KeyBucket.objects.filter(key="paced").delete()  # full again after the try before's charge
         call = CallQueue.objects.send("greet", {"name": "ada"}, keys=["paced"])
         (claimed,) = claim_all(call.key_set).calls
         # Its slot frees 25 ms from now (its moment 45 ms, after the 20 ms hold): the start waits for it.
@@ -163,6 +167,11 @@ def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeyp
         )
         before = from_us(KeyBucket.objects.get(key="paced").tat_us)
         assert run_all([claimed]) == ["done"]
+        if not asked and len(judged_on) == 1 and judged_on[0] >= before - timedelta(milliseconds=30):
+            # Its start came after its slot had freed (more than 25 ms after it was set, a
+            # loaded machine: CI once): nothing to wait for, so not this test's case; again.
+            came_after += 1
+            continue
         assert len(asked) == 1 and len(read_after_sleep) == 1
         # Charged one interval (100 ms, the guard's 5 ms floor and 1 ms slack) from the slot (the
         # start's clock and the wait it asked for), not 3 ms and the clock's read after it; or,
@@ -171,10 +180,11 @@ def test_a_start_woken_late_for_its_slot_is_judged_at_its_slot(settings, monkeyp
         late = read_after_sleep[0] - (judged_on[-1] + timedelta(seconds=asked[0]))
         assert charged >= timedelta(milliseconds=106)
         tries.append((charged, late))
-        if charged < timedelta(milliseconds=106 + 1.5) + max(late - timedelta(milliseconds=5), timedelta(0)):
-            break
-    else:
-        pytest.fail(f"every try was charged from later than its slot (charged, read after the slot): {tries}")
+        followed = charged < timedelta(milliseconds=106 + 1.5) + max(late - timedelta(milliseconds=5), timedelta(0))
+    assert followed, (
+        f"every try was charged from later than its slot (charged, read after the slot): {tries};"
+        f" {came_after} tries started after their slot"
+    )
     # The process keeps the reading as it was made, not the slot: its bounds still hold the
     # database's clock between them (a spread of at least the query's round trip), where the
     # slot's 3 ms would have put the lower bound above the upper one, hiding any lateness.
