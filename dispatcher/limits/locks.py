@@ -62,6 +62,11 @@ def _select_for_update(ordered: list[str], db: str, folded: Folded | None = None
         with prepared.cursor(db) as cursor:
             cursor.execute(limit_sql.lock_key_states(), [ordered])
             rows = cursor.fetchall()
+    return _states(rows, db)
+
+
+def _states(rows: list[tuple[Any, ...]], db: str) -> dict[str, KeyState]:
+    """Whole KeyState rows as read (``limit_sql.lock_key_states``' columns), by key."""
     names = [f.attname for f in tables.KeyState._meta.concrete_fields]
     return {row[0]: tables.KeyState.from_db(db, names, row) for row in rows}
 
@@ -87,8 +92,7 @@ def lock_keys_of_calls(
         locked = cursor.fetchall()
         cursor.nextset()
         rows = cursor.fetchall()
-    names = [f.attname for f in tables.KeyState._meta.concrete_fields]
-    return rows, {row[0]: tables.KeyState.from_db(db, names, row) for row in locked}
+    return rows, _states(locked, db)
 
 
 def wake_dispensers(using: str | None = None) -> None:
