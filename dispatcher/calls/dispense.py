@@ -288,7 +288,7 @@ def _claim_rows_postgresql(manager: CallQueueManager, asks: dict[str, int], now:
         "key_sets": list(asks), "wanted": list(asks.values()),
     }
     with prepared.cursor(manager.db) as cursor:
-        cursor.execute(functions.claim_statement(manager.db), params)
+        cursor.execute(functions.claim_statement(manager.db), functions.bind(manager.db, params))
         return [
             Claimed(id=i, dispatch_no=n, queue=q, key_set=k, priority=p, cost=json_value(c), run_at=r)
             for i, n, q, k, p, c, r in cursor.fetchall()

@@ -128,7 +128,7 @@ def finish_done_many(manager: CallQueueManager, done: Sequence[tuple[CallQueue, 
         "done": Status.DONE, "outcome": Outcome.DONE, "running": Status.RUNNING, "channel": locks.WAKE_CHANNEL,
     }
     with prepared.cursor(manager.db) as cursor:
-        cursor.execute(functions.finish_done_statement(manager.db), params)
+        cursor.execute(functions.finish_done_statement(manager.db), functions.bind(manager.db, params))
         won = {row[0] for row in cursor.fetchall()}
     for call, attempt, _, _ in done:
         if call.id not in won:

@@ -114,7 +114,8 @@ def warm(manager: CallQueueManager) -> None:
     for _ in range(2):
         gate.policies_for_start([], {}, using=db)
     with connections[db].cursor() as cursor:
-        cursor.execute(functions.mark_statement(db, True), _mark_running_params([], db_now(db), "", {}, {}, 0)[0])
+        params = _mark_running_params([], db_now(db), "", {}, {}, 0)[0]
+        cursor.execute(functions.mark_statement(db, True), functions.bind(db, params))
 
 
 def start_many(
@@ -329,7 +330,7 @@ def _mark_running_postgresql(
         # A prepared statement goes alone: the folded start then sends its COMMIT on its own.
         statement = folded.commit(statement)
     with prepared.cursor(manager.db) as cursor:
-        cursor.execute(statement, params)
+        cursor.execute(statement, functions.bind(manager.db, params))
         rows = cursor.fetchall()
     started: dict[int, Marked] = {}
     for row in rows:

@@ -6,6 +6,7 @@ dropped as a site's migrate would.
 """
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -153,6 +154,47 @@ def test_each_function_returns_what_its_statement_returns():
     }
     inline, called = _both(call_sql.finish_done_many(), functions.finish_done(), finish)
     assert inline == called == [(running.id,)]
+
+
+def test_a_functions_call_takes_integer_lists_as_literals_with_the_same_rows(published):
+    """``functions.bind``: integer lists (NULLs among them) as array literals, choices as their
+    values, other lists as they are; each function's rows the same either way."""
+    bound = functions.bind("default", {
+        "ids": [3, None, 10**12], "status": CallStatus.DONE, "keys": ["a", 'b"c'], "wakes": [True, False], "none": [],
+    })
+    assert bound == {"ids": "{3,NULL,1000000000000}", "status": "done", "keys": ["a", 'b"c'], "wakes": [True, False],
+                     "none": []}
+    now = timezone.now()
+    for key in ("a", "a", "b"):
+        CallQueue.objects.send("noop", {"k": key}, keys=[key], run_at=now - timedelta(seconds=1))
+    claim = {
+        "dispatched": CallStatus.DISPATCHED, "pending": CallStatus.PENDING, "now": now,
+        "key_sets": ['["a"]', '["b"]'], "wanted": [2, 1],
+    }
+    rows = []
+    for params in (claim, functions.bind("default", claim)):
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(functions.claim("default").statement, params)
+                rows.append(sorted(cursor.fetchall()))
+            transaction.set_rollback(True)
+    assert rows[0] == rows[1] and len(rows[1]) == 3
+    CallQueue.objects.all().delete()
+
+    # And end to end: a bucket's first start (its read state NULL) and its finish, their lists
+    # sent as literals (psycopg's own adaptation would cast each list to the type of its values).
+    edit.set_policy("bucket", 100, timedelta(minutes=1), burst=10)
+    with CaptureQueriesContext(connection) as queries:
+        assert _run(published, "bucket", 3) == ["done"] * 3
+    called = [q["sql"] for q in queries.captured_queries if "dispatcher_mark_" in q["sql"] or "dispatcher_finish_" in q["sql"]]
+    assert len(called) == 6
+    assert not [sql for sql in called if re.search(r"::int[248]\[\]", sql)]
+    assert set(CallQueue.objects.values_list("status", flat=True)) == {CallStatus.DONE}
+
+
+def test_without_the_functions_parameters_go_as_they_are(dropped):
+    params = {"ids": [1, 2], "status": CallStatus.DONE}
+    assert functions.bind("default", params) is params
 
 
 def test_a_call_started_by_the_function_comes_back_as_from_the_statement(published, monkeypatch):
