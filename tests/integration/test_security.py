@@ -49,6 +49,20 @@ def test_an_empty_allow_list_refuses_everything(settings):
         check_url("http://127.0.0.1/")
 
 
+def test_a_url_passed_before_is_judged_again_under_a_changed_allow_list(settings):
+    """A worker checks each call's URL again (the allow-list may have changed since send());
+    what it keeps of earlier checks never outlives the allow-list they were made under."""
+    url = "http://127.0.0.1:8443/y"
+    settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1:8443"]
+    assert check_url(url) == url
+    for narrower in (["127.0.0.1"], ["127.0.0.1:8444"], []):
+        settings.DISPATCHER_HTTP_ALLOWED_HOSTS = narrower
+        with pytest.raises(InvalidParams, match="not in DISPATCHER_HTTP_ALLOWED_HOSTS"):
+            check_url(url)
+    settings.DISPATCHER_HTTP_ALLOWED_HOSTS = ["127.0.0.1:*"]
+    assert check_url(url) == url
+
+
 @pytest.mark.parametrize("headers", [
     {"X-A": "v\r\nX-Injected: 1"}, {"X-A\r\nX-B": "v"}, {"X A": "v"}, {"X-A:": "v"}, {"": "v"}, {"X-A": 1},
     {"X-A": "v\n"}, {"X-A": "v\0"},
